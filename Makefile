@@ -1,0 +1,41 @@
+# Quilt: `make test` and `make demo` do all set-up (Debian packages, configure, build) first.
+BUILD   ?= build
+PREFIX  ?= $(CURDIR)/$(BUILD)/install
+JOBS    ?= $(shell nproc)
+CMAKE_ARGS ?=
+
+.PHONY: all deps configure build test demo bench install examples clean
+
+all: build
+
+deps:
+	@bash tools/setup-deps.sh
+
+configure: deps
+	@if [ ! -f $(BUILD)/build.ninja ]; then \
+	  cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=$(PREFIX) $(CMAKE_ARGS); \
+	fi
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+install: build
+	cmake --install $(BUILD) > /dev/null
+
+# The standalone examples/ project, configured and built against the installed package.
+examples: install
+	cmake -S examples -B $(BUILD)/examples -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake --build $(BUILD)/examples -j $(JOBS)
+
+test: build examples
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+	$(BUILD)/examples/tiny_regression
+
+demo: build
+	@bash tools/demo.sh $(BUILD)
+
+bench: build
+	@bash bench/run.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD)

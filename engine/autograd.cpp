@@ -1,0 +1,219 @@
+// The backward engine: discovers the graph reachable from the roots, counts dependencies,
+// and runs nodes in reverse creation order once all their gradients have arrived.
+#include "engine/autograd.h"
+
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "engine/ops/binary.h"
+#include "engine/ops/creation.h"
+#include "engine/ops/view.h"
+
+namespace quilt {
+namespace {
+
+thread_local bool t_grad_enabled = true;
+std::atomic<uint64_t> g_sequence{0};
+
+// Adds `g` into a gradient slot (first arrival is taken as is).
+void accumulate_into(Tensor& slot, const Tensor& g) {
+  if (!g.defined()) return;
+  slot = slot.defined() ? add(slot, g) : g;
+}
+
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(std::shared_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {
+    outputs.push_back(TensorMeta{leaf_->shape, leaf_->dtype, leaf_->storage.device(), leaf_->dist});
+    output_hooks.resize(1);
+    retain_output.resize(1);
+    retained.resize(1);
+  }
+  std::string name() const override { return "AccumulateGrad"; }
+  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
+    Tensor g = grads[0];
+    if (!g.defined()) return {};
+    Tensor leaf(leaf_);
+    AutogradMeta& m = leaf_->meta();
+    for (auto& h : m.hooks) {
+      Tensor r = h(g);
+      if (r.defined()) g = r;
+    }
+    QUILT_CHECK(g.shape() == leaf_->shape, "[backward] gradient of shape ", g.shape(), " for leaf '",
+                leaf_->name, "' of shape ", leaf_->shape);
+    if (g.dtype() != leaf_->dtype) g = cast(g, leaf_->dtype);
+    if (!m.grad) {
+      if (grad_enabled()) {
+        m.grad = g.impl_ptr();  // create_graph: keep the gradient's own graph
+      } else {
+        // Take ownership when no other tensor can see these bytes; otherwise copy, so
+        // later in-place accumulation cannot write into another tensor.
+        const bool sole = g.is_contiguous() && g.offset() == 0 && g.impl_ptr().use_count() <= 2 &&
+                          g.storage().use_count() == 1 && g.storage().nbytes() == g.nbytes();
+        m.grad = (sole ? g.detach() : clone(g.detach())).impl_ptr();
+      }
+    } else if (grad_enabled()) {
+      m.grad = add(Tensor(m.grad), g).impl_ptr();
+    } else {
+      Tensor(m.grad).add_(g);
+    }
+    for (auto& h : m.post_accumulate_hooks) h(leaf);
+    return {};
+  }
+
+ private:
+  std::shared_ptr<TensorImpl> leaf_;
+};
+
+struct ReadyCmp {
+  bool operator()(const Node* a, const Node* b) const { return a->sequence_nr < b->sequence_nr; }
+};
+
+}  // namespace
+
+bool grad_enabled() { return t_grad_enabled; }
+void set_grad_enabled(bool on) { t_grad_enabled = on; }
+
+Node::Node() : sequence_nr(g_sequence.fetch_add(1)) {}
+
+std::shared_ptr<Node> grad_accumulator(const Tensor& leaf) {
+  QUILT_CHECK(leaf.is_leaf() && leaf.requires_grad(), "[autograd] grad_accumulator of a non-leaf or a tensor not requiring grad");
+  AutogradMeta& m = leaf.unsafe_impl()->meta();
+  if (auto acc = m.grad_accumulator.lock()) return acc;
+  auto acc = std::make_shared<AccumulateGrad>(leaf.impl_ptr());
+  m.grad_accumulator = acc;
+  return acc;
+}
+
+Edge gradient_edge(const Tensor& t) {
+  if (!t.defined() || !t.requires_grad()) return {};
+  if (!t.is_leaf()) return Edge{t.grad_fn(), t.output_nr()};
+  return Edge{grad_accumulator(t), 0};
+}
+
+namespace {
+
+// Shared by backward() and grad(): `capture` maps (node, slot) to a result index; when set,
+// leaves are not accumulated into.
+std::vector<Tensor> execute(const std::vector<Tensor>& roots, const std::vector<Tensor>& seeds, bool retain_graph,
+                            bool create_graph, const std::vector<Edge>* capture) {
+  QUILT_CHECK(roots.size() == seeds.size() || seeds.empty(), "[backward] ", roots.size(), " outputs but ",
+              seeds.size(), " gradients");
+  std::unordered_map<Node*, int> deps;
+  std::unordered_map<Node*, std::vector<Tensor>> buffers;
+  std::vector<std::shared_ptr<Node>> keep;  // holds nodes alive while we run
+
+  std::vector<std::pair<Edge, Tensor>> starts;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    QUILT_CHECK(r.defined() && r.requires_grad(), "[backward] output ", i,
+                " does not require grad (no input of its graph requires grad)");
+    Tensor seed = seeds.empty() ? Tensor() : seeds[i];
+    if (!seed.defined()) {
+      QUILT_CHECK(r.numel() == 1, "[backward] a gradient must be given for a non-scalar output of shape ", r.shape());
+      seed = ones_like(r.detach());
+    }
+    QUILT_CHECK(seed.shape() == r.shape(), "[backward] gradient shape ", seed.shape(), " differs from output shape ",
+                r.shape());
+    starts.emplace_back(gradient_edge(r), seed);
+  }
+
+  // Discover the graph and count incoming edges.
+  std::vector<Node*> stack;
+  std::unordered_set<Node*> seen;
+  for (auto& [e, g] : starts) {
+    if (seen.insert(e.fn.get()).second) { stack.push_back(e.fn.get()); keep.push_back(e.fn); }
+  }
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next) {
+      if (!e.fn) continue;
+      ++deps[e.fn.get()];
+      if (seen.insert(e.fn.get()).second) { stack.push_back(e.fn.get()); keep.push_back(e.fn); }
+    }
+  }
+
+  std::unordered_map<Node*, std::vector<std::pair<uint32_t, size_t>>> captures;
+  std::vector<Tensor> captured;
+  if (capture) {
+    captured.resize(capture->size());
+    for (size_t i = 0; i < capture->size(); ++i)
+      if ((*capture)[i].fn) captures[(*capture)[i].fn.get()].push_back({(*capture)[i].input_nr, i});
+  }
+
+  for (auto& [e, g] : starts) {
+    auto& buf = buffers[e.fn.get()];
+    buf.resize(e.fn->outputs.size());
+    accumulate_into(buf[e.input_nr], g);
+  }
+
+  std::priority_queue<Node*, std::vector<Node*>, ReadyCmp> ready;
+  for (auto& [e, g] : starts)
+    if (deps[e.fn.get()] == 0) { ready.push(e.fn.get()); deps[e.fn.get()] = -1; }
+
+  std::optional<NoGradGuard> no_grad;
+  std::optional<EnableGradGuard> with_grad;
+  if (create_graph) with_grad.emplace(); else no_grad.emplace();
+
+  while (!ready.empty()) {
+    Node* n = ready.top();
+    ready.pop();
+    std::vector<Tensor> grads = std::move(buffers[n]);
+    buffers.erase(n);
+    grads.resize(n->outputs.size());
+    const bool is_leaf_acc = n->name() == "AccumulateGrad";
+    for (size_t i = 0; i < grads.size() && !is_leaf_acc; ++i) {
+      if (!grads[i].defined()) continue;
+      for (auto& h : n->output_hooks[i]) {
+        Tensor r = h(grads[i]);
+        if (r.defined()) grads[i] = r;
+      }
+      if (n->retain_output[i]) {
+        if (auto impl = n->retained[i].lock()) {
+          Tensor t(impl);
+          Tensor old = t.grad();
+          t.set_grad(old.defined() ? add(old, grads[i]) : grads[i].detach());
+        }
+      }
+    }
+    if (auto it = captures.find(n); it != captures.end())
+      for (auto [slot, idx] : it->second) accumulate_into(captured[idx], grads[slot]);
+    std::vector<Tensor> outs;
+    if (!(capture && is_leaf_acc)) outs = n->apply(std::move(grads));
+    if (!retain_graph) n->release();
+    for (size_t i = 0; i < n->next.size(); ++i) {
+      const Edge& e = n->next[i];
+      if (!e.fn) continue;
+      Node* m = e.fn.get();
+      if (i < outs.size() && outs[i].defined()) {
+        auto& buf = buffers[m];
+        buf.resize(m->outputs.size());
+        accumulate_into(buf[e.input_nr], outs[i]);
+      }
+      if (--deps[m] == 0) ready.push(m);
+    }
+  }
+  return captured;
+}
+
+}  // namespace
+
+void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph,
+                  bool create_graph) {
+  execute(roots, grads, retain_graph || create_graph, create_graph, nullptr);
+}
+
+std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                         const std::vector<Tensor>& grad_outputs, bool retain_graph, bool create_graph) {
+  std::vector<Edge> edges;
+  for (const Tensor& t : inputs) {
+    QUILT_CHECK(t.defined() && t.requires_grad(), "[grad] every input must require grad");
+    edges.push_back(gradient_edge(t));
+  }
+  return execute(outputs, grad_outputs, retain_graph || create_graph, create_graph, &edges);
+}
+
+}  // namespace quilt

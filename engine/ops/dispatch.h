@@ -1,0 +1,34 @@
+// Internal to engine/ops: turning tensors into kernel loop descriptors and picking the
+// device's kernel.
+#pragma once
+
+#include <array>
+
+#include "engine/tensor.h"
+#include "kernels/loop.h"
+
+namespace quilt::ops {
+
+/// t's strides viewed at `shape` (t broadcasts to it): 0 on broadcast dims.
+Shape broadcast_strides(const Tensor& t, const Shape& shape);
+
+/// A coalesced loop over `shape` with operands ts (each broadcastable to shape).
+template <int N>
+kernels::Loop<N> loop_over(const Shape& shape, const std::array<const Tensor*, N>& ts) {
+  QUILT_CHECK(shape.size() <= size_t(kernels::kMaxDims), "[loop] tensors of more than ",
+              kernels::kMaxDims, " dims are not supported, got shape ", shape);
+  std::array<Shape, N> st;
+  const int64_t* sp[N];
+  void* data[N];
+  for (int k = 0; k < N; ++k) {
+    st[k] = broadcast_strides(*ts[k], shape);
+    sp[k] = st[k].data();
+    data[k] = ts[k]->data_ptr();
+  }
+  return kernels::make_loop<N>(static_cast<int>(shape.size()), shape.data(), sp, data);
+}
+
+/// The device stream handle for kernels (nullptr on the CPU).
+void* stream_handle(Device d);
+
+}  // namespace quilt::ops

@@ -1,0 +1,64 @@
+// Primitive: one op of the engine. Its forward computes on plain (local) tensors; it saves
+// what its backward needs via save(); its backward is written in ops, so gradients are
+// themselves tensors of the same kind (distributed when the inputs were).
+//
+//   class Exp : public Primitive { ... };            // see engine/ops/unary.cpp
+//   Tensor y = apply1(std::make_shared<Exp>(), {x});
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/autograd.h"
+#include "engine/tensor.h"
+
+namespace quilt {
+
+/// What backward gets: gradients of the outputs (zeros materialised), which inputs need one,
+/// and the metadata of inputs and outputs as the caller saw them.
+struct BackwardContext {
+  std::vector<Tensor> grads;
+  std::vector<bool> needs;
+  std::vector<TensorMeta> inputs;
+  std::vector<TensorMeta> outputs;
+};
+
+class Primitive {
+ public:
+  virtual ~Primitive() = default;
+  /// The op's name as users see it ("matmul", "exp", ...).
+  virtual const char* name() const = 0;
+  /// Computes outputs from inputs (no graph recording; inputs are local tensors).
+  virtual std::vector<Tensor> forward(const std::vector<Tensor>& inputs) = 0;
+  /// Keeps what backward needs (called only when the graph is recorded, with the caller's tensors).
+  virtual void save(const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs) {}
+  /// Gradients w.r.t. inputs; entries where !ctx.needs[i] may stay undefined.
+  virtual std::vector<Tensor> backward(const BackwardContext& ctx);
+  /// True for outputs that can carry gradients (default: floating outputs).
+  virtual bool differentiable_output(size_t i, const Tensor& out) const { return is_floating(out.dtype()); }
+
+ protected:
+  /// Saved tensors are detached copies of the handles (no graph cycles).
+  std::vector<Tensor> saved_;
+};
+
+/// Runs `p` on `inputs`, records a graph node when any input requires grad, and routes
+/// distributed inputs through the dispatcher that dtensor/ installs.
+std::vector<Tensor> apply(std::shared_ptr<Primitive> p, const std::vector<Tensor>& inputs);
+/// apply() for single-output primitives.
+Tensor apply1(std::shared_ptr<Primitive> p, const std::vector<Tensor>& inputs);
+
+/// The distributed dispatcher: given a primitive and inputs of which at least one is
+/// distributed, returns its outputs (installed by dtensor/).
+using DistributedDispatch =
+    std::function<std::vector<Tensor>(Primitive& p, const std::vector<Tensor>& inputs)>;
+void set_distributed_dispatch(DistributedDispatch fn);
+
+/// Throws "[op] has no CUDA implementation in this build" if any input is on a CUDA device.
+void require_cpu(const char* op, const std::vector<Tensor>& inputs);
+/// Throws naming `op` unless all inputs live on the same device.
+Device common_device(const char* op, const std::vector<Tensor>& inputs);
+
+}  // namespace quilt

@@ -1,0 +1,82 @@
+// Memory behind tensors. Storage owns (or borrows, e.g. an mmap) a block of bytes on a
+// device; allocators hand blocks out: the CPU one aligned, the CUDA one a stream-aware cache.
+//
+//   Storage s = Storage::allocate(1024, Device::cpu());   // 64-byte aligned, freed with s
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "engine/device.h"
+
+namespace quilt {
+
+/// Hands out device memory. Implementations: CPU (aligned) and CUDA (caching, per device).
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  /// A block of at least `bytes` usable on `stream` (the stream matters on CUDA only).
+  virtual void* allocate(size_t bytes, const Stream& stream) = 0;
+  /// Returns a block from allocate(); it becomes reusable once `stream`'s work is done.
+  virtual void deallocate(void* ptr, size_t bytes, const Stream& stream) = 0;
+};
+
+/// Byte counters of an allocator.
+struct MemoryStats {
+  int64_t allocated = 0;       // bytes in live blocks
+  int64_t reserved = 0;        // bytes held from the system (cached + live)
+  int64_t peak_allocated = 0;  // high-water mark of `allocated`
+  int64_t num_allocs = 0;      // allocate() calls served
+  int64_t num_system_allocs = 0;  // allocations that went to the system (cache misses)
+};
+
+/// The process-wide aligned host allocator.
+Allocator* cpu_allocator();
+/// Counters of the host allocator.
+MemoryStats cpu_memory_stats();
+/// Resets peak_allocated of the host allocator to the current allocated bytes.
+void reset_cpu_peak_memory();
+
+namespace cuda {
+/// The caching allocator of device `device` (throws when CUDA is unavailable).
+Allocator* allocator(int device);
+/// Counters of device `device`'s caching allocator.
+MemoryStats memory_stats(int device);
+/// Releases every cached (unused) block of device `device` to the driver.
+void empty_cache(int device);
+/// Resets peak_allocated of device `device` to its current allocated bytes.
+void reset_peak_memory(int device);
+}  // namespace cuda
+
+/// A block of bytes on one device; shared by every tensor that views it.
+class Storage {
+ public:
+  Storage() = default;
+  /// Allocates `nbytes` on `device` (current stream) through that device's allocator.
+  static Storage allocate(size_t nbytes, Device device);
+  /// Wraps memory owned elsewhere; `release` runs when the last view goes away.
+  static Storage borrow(void* data, size_t nbytes, Device device, std::function<void()> release);
+
+  void* data() const { return impl_ ? impl_->data : nullptr; }
+  size_t nbytes() const { return impl_ ? impl_->nbytes : 0; }
+  Device device() const { return impl_ ? impl_->device : Device::cpu(); }
+  bool defined() const { return impl_ != nullptr; }
+  /// Number of Storage handles sharing this block.
+  long use_count() const { return impl_.use_count(); }
+  /// Identity of the block (two storages alias iff equal).
+  const void* id() const { return impl_.get(); }
+
+ private:
+  struct Impl {
+    void* data = nullptr;
+    size_t nbytes = 0;
+    Device device;
+    std::function<void()> release;
+    ~Impl() { if (release) release(); }
+  };
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace quilt

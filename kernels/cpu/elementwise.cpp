@@ -1,0 +1,312 @@
+// CPU elementwise kernels: unary, binary, where, cast/copy, fill, random, dropout.
+#include "kernels/cpu/elementwise.h"
+
+#include <Eigen/Core>
+#include <unsupported/Eigen/SpecialFunctions>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/cpu/parallel.h"
+#include "kernels/philox.h"
+
+namespace quilt::kernels::cpu {
+namespace {
+
+template <class T> using ArrMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <class T> using CArrMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+constexpr double kInvSqrt2 = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+
+template <UnaryOp op, class C>
+C unary_scalar(C x) {
+  using std::abs, std::exp, std::log, std::sqrt, std::tanh, std::sin, std::cos, std::erf;
+  if constexpr (op == UnaryOp::neg) return -x;
+  else if constexpr (op == UnaryOp::abs) return x < C(0) ? C(-x) : x;
+  else if constexpr (op == UnaryOp::sign) return C((C(0) < x) - (x < C(0)));
+  else if constexpr (op == UnaryOp::square) return x * x;
+  else if constexpr (op == UnaryOp::relu) return x > C(0) ? x : C(0);
+  else if constexpr (op == UnaryOp::exp) return exp(x);
+  else if constexpr (op == UnaryOp::log) return log(x);
+  else if constexpr (op == UnaryOp::sqrt) return sqrt(x);
+  else if constexpr (op == UnaryOp::rsqrt) return C(1) / sqrt(x);
+  else if constexpr (op == UnaryOp::tanh) return tanh(x);
+  else if constexpr (op == UnaryOp::sigmoid) return C(1) / (C(1) + exp(-x));
+  else if constexpr (op == UnaryOp::silu) return x / (C(1) + exp(-x));
+  else if constexpr (op == UnaryOp::gelu) return C(0.5) * x * (C(1) + erf(x * C(kInvSqrt2)));
+  else if constexpr (op == UnaryOp::gelu_grad)
+    return C(0.5) * (C(1) + erf(x * C(kInvSqrt2))) + x * C(kInvSqrt2Pi) * exp(C(-0.5) * x * x);
+  else if constexpr (op == UnaryOp::sin) return sin(x);
+  else if constexpr (op == UnaryOp::cos) return cos(x);
+  else return x;
+}
+
+// Eigen's vectorised form of an op on a contiguous run; returns false when there is none.
+template <UnaryOp op, class T>
+bool unary_eigen(T* out, const T* in, int64_t n) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    ArrMap<T> o(out, n);
+    CArrMap<T> x(in, n);
+    if constexpr (op == UnaryOp::neg) o = -x;
+    else if constexpr (op == UnaryOp::abs) o = x.abs();
+    else if constexpr (op == UnaryOp::square) o = x.square();
+    else if constexpr (op == UnaryOp::relu) o = x.max(T(0));
+    else if constexpr (op == UnaryOp::exp) o = x.exp();
+    else if constexpr (op == UnaryOp::log) o = x.log();
+    else if constexpr (op == UnaryOp::sqrt) o = x.sqrt();
+    else if constexpr (op == UnaryOp::rsqrt) o = x.rsqrt();
+    else if constexpr (op == UnaryOp::tanh) o = x.tanh();
+    else if constexpr (op == UnaryOp::sigmoid) o = x.logistic();
+    else if constexpr (op == UnaryOp::silu) o = x * x.logistic();
+    else if constexpr (op == UnaryOp::gelu) o = T(0.5) * x * (T(1) + (x * T(kInvSqrt2)).erf());
+    else if constexpr (op == UnaryOp::sin) o = x.sin();
+    else if constexpr (op == UnaryOp::cos) o = x.cos();
+    else return false;
+    return true;
+  }
+  return false;
+}
+
+template <UnaryOp op, class T>
+void unary_typed(const Loop<2>& l) {
+  using C = compute_t<T>;
+  if constexpr (op == UnaryOp::logical_not) {
+    const size_t es[2] = {1, sizeof(T)};
+    parallel_walk(l, es, [](char** p, int64_t n, const int64_t* s) {
+      auto* o = reinterpret_cast<bool*>(p[0]);
+      auto* x = reinterpret_cast<const T*>(p[1]);
+      for (int64_t i = 0; i < n; ++i) o[i * s[0]] = !static_cast<bool>(static_cast<C>(x[i * s[1]]));
+    });
+  } else {
+    const size_t es[2] = {sizeof(T), sizeof(T)};
+    parallel_walk(l, es, [](char** p, int64_t n, const int64_t* s) {
+      auto* o = reinterpret_cast<T*>(p[0]);
+      auto* x = reinterpret_cast<const T*>(p[1]);
+      if (s[0] == 1 && s[1] == 1) {
+        if (unary_eigen<op, T>(o, x, n)) return;
+        for (int64_t i = 0; i < n; ++i) o[i] = T(unary_scalar<op, C>(C(x[i])));
+      } else {
+        for (int64_t i = 0; i < n; ++i) o[i * s[0]] = T(unary_scalar<op, C>(C(x[i * s[1]])));
+      }
+    });
+  }
+}
+
+template <class T>
+void unary_dispatch(UnaryOp op, const Loop<2>& l) {
+  switch (op) {
+#define Q(name) case UnaryOp::name: return unary_typed<UnaryOp::name, T>(l);
+    Q(neg) Q(exp) Q(log) Q(sqrt) Q(rsqrt) Q(tanh) Q(sigmoid) Q(silu) Q(gelu) Q(relu) Q(abs) Q(sign)
+    Q(sin) Q(cos) Q(square) Q(logical_not) Q(gelu_grad)
+#undef Q
+  }
+}
+
+template <BinaryOp op, class C>
+auto binary_scalar(C a, C b) {
+  if constexpr (op == BinaryOp::add) return C(a + b);
+  else if constexpr (op == BinaryOp::sub) return C(a - b);
+  else if constexpr (op == BinaryOp::mul) return C(a * b);
+  else if constexpr (op == BinaryOp::div) {
+    if constexpr (std::is_integral_v<C>) return C(b == 0 ? 0 : a / b);
+    else return C(a / b);
+  } else if constexpr (op == BinaryOp::pow) return C(std::pow(a, b));
+  else if constexpr (op == BinaryOp::maximum) {
+    if constexpr (std::is_floating_point_v<C>) return (a != a || b != b) ? C(NAN) : (a > b ? a : b);
+    else return a > b ? a : b;
+  } else if constexpr (op == BinaryOp::minimum) {
+    if constexpr (std::is_floating_point_v<C>) return (a != a || b != b) ? C(NAN) : (a < b ? a : b);
+    else return a < b ? a : b;
+  } else if constexpr (op == BinaryOp::eq) return a == b;
+  else if constexpr (op == BinaryOp::ne) return a != b;
+  else if constexpr (op == BinaryOp::lt) return a < b;
+  else if constexpr (op == BinaryOp::le) return a <= b;
+  else if constexpr (op == BinaryOp::gt) return a > b;
+  else if constexpr (op == BinaryOp::ge) return a >= b;
+  else if constexpr (op == BinaryOp::logical_and) return static_cast<bool>(a) && static_cast<bool>(b);
+  else return static_cast<bool>(a) || static_cast<bool>(b);
+}
+
+template <BinaryOp op, class T>
+void binary_typed(const Loop<3>& l) {
+  using C = compute_t<T>;
+  using O = std::conditional_t<is_predicate(op), bool, T>;
+  const size_t es[3] = {sizeof(O), sizeof(T), sizeof(T)};
+  parallel_walk(l, es, [](char** p, int64_t n, const int64_t* s) {
+    auto* o = reinterpret_cast<O*>(p[0]);
+    auto* a = reinterpret_cast<const T*>(p[1]);
+    auto* b = reinterpret_cast<const T*>(p[2]);
+    if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
+      for (int64_t i = 0; i < n; ++i) o[i] = O(binary_scalar<op, C>(C(a[i]), C(b[i])));
+    } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {
+      const C bv = C(b[0]);
+      for (int64_t i = 0; i < n; ++i) o[i] = O(binary_scalar<op, C>(C(a[i]), bv));
+    } else if (s[0] == 1 && s[1] == 0 && s[2] == 1) {
+      const C av = C(a[0]);
+      for (int64_t i = 0; i < n; ++i) o[i] = O(binary_scalar<op, C>(av, C(b[i])));
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        o[i * s[0]] = O(binary_scalar<op, C>(C(a[i * s[1]]), C(b[i * s[2]])));
+    }
+  });
+}
+
+template <class T>
+void binary_dispatch(BinaryOp op, const Loop<3>& l) {
+  switch (op) {
+#define Q(name) case BinaryOp::name: return binary_typed<BinaryOp::name, T>(l);
+    Q(add) Q(sub) Q(mul) Q(div) Q(pow) Q(maximum) Q(minimum) Q(eq) Q(ne) Q(lt) Q(le) Q(gt) Q(ge)
+    Q(logical_and) Q(logical_or)
+#undef Q
+  }
+}
+
+// Global linear index of local element `i` of a random block.
+inline uint64_t global_index(const RandomArgs& a, int64_t i) {
+  uint64_t g = 0;
+  for (int d = a.ndim - 1; d >= 0; --d) {
+    const int64_t idx = i % a.shape[d];
+    i /= a.shape[d];
+    g += static_cast<uint64_t>(idx + a.offsets[d]) * static_cast<uint64_t>(a.global_strides[d]);
+  }
+  return g;
+}
+
+int64_t block_numel(const RandomArgs& a) {
+  int64_t n = 1;
+  for (int d = 0; d < a.ndim; ++d) n *= a.shape[d];
+  return n;
+}
+
+}  // namespace
+
+void unary(UnaryOp op, DType dt, const Loop<2>& loop) {
+  QUILT_DISPATCH_ALL(dt, [&] { unary_dispatch<scalar_t>(op, loop); });
+}
+
+void binary(BinaryOp op, DType dt, const Loop<3>& loop) {
+  QUILT_DISPATCH_ALL(dt, [&] { binary_dispatch<scalar_t>(op, loop); });
+}
+
+void where(DType dt, const Loop<4>& loop) {
+  QUILT_DISPATCH_ALL(dt, [&] {
+    using T = scalar_t;
+    const size_t es[4] = {sizeof(T), 1, sizeof(T), sizeof(T)};
+    parallel_walk(loop, es, [](char** p, int64_t n, const int64_t* s) {
+      auto* o = reinterpret_cast<T*>(p[0]);
+      auto* c = reinterpret_cast<const bool*>(p[1]);
+      auto* a = reinterpret_cast<const T*>(p[2]);
+      auto* b = reinterpret_cast<const T*>(p[3]);
+      for (int64_t i = 0; i < n; ++i) o[i * s[0]] = c[i * s[1]] ? a[i * s[2]] : b[i * s[3]];
+    });
+  });
+}
+
+void copy(DType out_dt, DType in_dt, const Loop<2>& loop) {
+  if (out_dt == in_dt && loop.contiguous()) {
+    const size_t es = dtype_size(out_dt);
+    char* o = static_cast<char*>(loop.data[0]);
+    const char* x = static_cast<const char*>(loop.data[1]);
+    parallel_range(loop.numel(), kGrain * 4, [&](int64_t b, int64_t e) {
+      std::memcpy(o + b * es, x + b * es, size_t(e - b) * es);
+    });
+    return;
+  }
+  QUILT_DISPATCH_ALL(out_dt, [&] {
+    using O = scalar_t;
+    QUILT_DISPATCH_ALL(in_dt, [&] {
+      using I = scalar_t;
+      using C = std::conditional_t<std::is_same_v<O, double> || std::is_same_v<I, double>, double,
+                std::conditional_t<std::is_integral_v<O> && std::is_integral_v<I>, int64_t, float>>;
+      const size_t es[2] = {sizeof(O), sizeof(I)};
+      parallel_walk(loop, es, [](char** p, int64_t n, const int64_t* s) {
+        auto* o = reinterpret_cast<O*>(p[0]);
+        auto* x = reinterpret_cast<const I*>(p[1]);
+        if constexpr (std::is_same_v<O, bool>) {
+          for (int64_t i = 0; i < n; ++i) o[i * s[0]] = static_cast<C>(x[i * s[1]]) != C(0);
+        } else {
+          for (int64_t i = 0; i < n; ++i) o[i * s[0]] = O(static_cast<C>(x[i * s[1]]));
+        }
+      });
+    });
+  });
+}
+
+void fill(DType dt, double value, const Loop<1>& loop) {
+  QUILT_DISPATCH_ALL(dt, [&] {
+    using T = scalar_t;
+    const T v = std::is_same_v<T, bool> ? T(value != 0) : T(static_cast<compute_t<T>>(value));
+    const size_t es[1] = {sizeof(T)};
+    parallel_walk(loop, es, [v](char** p, int64_t n, const int64_t* s) {
+      auto* o = reinterpret_cast<T*>(p[0]);
+      for (int64_t i = 0; i < n; ++i) o[i * s[0]] = v;
+    });
+  });
+}
+
+void random_uniform(DType dt, void* out, const RandomArgs& args) {
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    auto* o = static_cast<scalar_t*>(out);
+    parallel_range(block_numel(args), kGrain / 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const uint64_t g = global_index(args, i);
+        const Philox4 r = philox_block(args.seed, args.key, g);
+        // (0, 1] -> [0, 1): 1 - u
+        const double u = std::is_same_v<scalar_t, double> ? 1.0 - uint2_to_unit(r.v[0], r.v[1])
+                                                          : 1.0 - double(uint_to_unit(r.v[0]));
+        o[i] = scalar_t(static_cast<compute_t<scalar_t>>(args.a + (args.b - args.a) * u));
+      }
+    });
+  });
+}
+
+void random_normal(DType dt, void* out, const RandomArgs& args) {
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    auto* o = static_cast<scalar_t*>(out);
+    parallel_range(block_numel(args), kGrain / 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const uint64_t g = global_index(args, i);
+        const Philox4 r = philox_block(args.seed, args.key, g);
+        const double u1 = uint2_to_unit(r.v[0], r.v[1]);
+        const double u2 = uint2_to_unit(r.v[2], r.v[3]);
+        const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+        o[i] = scalar_t(static_cast<compute_t<scalar_t>>(args.a + args.b * z));
+      }
+    });
+  });
+}
+
+void random_int(DType dt, void* out, int64_t n, int64_t low, int64_t high, uint64_t seed, uint64_t key) {
+  const uint64_t range = static_cast<uint64_t>(high - low);
+  QUILT_DISPATCH_ALL(dt, [&] {
+    auto* o = static_cast<scalar_t*>(out);
+    parallel_range(n, kGrain / 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const Philox4 r = philox_block(seed, key, static_cast<uint64_t>(i));
+        const uint64_t x = (static_cast<uint64_t>(r.v[0]) << 32) | r.v[1];
+        const int64_t v = low + static_cast<int64_t>(x % range);
+        o[i] = scalar_t(static_cast<compute_t<scalar_t>>(v));
+      }
+    });
+  });
+}
+
+void dropout(DType dt, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t key) {
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    auto* o = static_cast<scalar_t*>(out);
+    auto* in = static_cast<const scalar_t*>(x);
+    using C = compute_t<scalar_t>;
+    const C scale = C(1.0 / (1.0 - p));
+    parallel_range(n, kGrain / 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const Philox4 r = philox_block(seed, key, static_cast<uint64_t>(i));
+        const bool keep = double(uint_to_unit(r.v[0])) > p;
+        o[i] = scalar_t(keep ? C(in[i]) * scale : C(0));
+      }
+    });
+  });
+}
+
+}  // namespace quilt::kernels::cpu
