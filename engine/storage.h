@@ -38,6 +38,8 @@ Allocator* cpu_allocator();
 MemoryStats cpu_memory_stats();
 /// Resets peak_allocated of the host allocator to the current allocated bytes.
 void reset_cpu_peak_memory();
+/// Returns the host allocator's cached large blocks to the system.
+void empty_cpu_cache();
 
 namespace cuda {
 /// The caching allocator of device `device` (throws when CUDA is unavailable).

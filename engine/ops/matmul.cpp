@@ -135,6 +135,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
               b.shape());
   QUILT_CHECK(is_floating(a.dtype()) && a.dtype() == b.dtype(), "[matmul] needs two floating tensors of one dtype, got ",
               dtype_name(a.dtype()), " @ ", dtype_name(b.dtype()));
+  if (a.dim() == 1 && b.dim() == 1) return reshape(matmul(unsqueeze(a, 0), unsqueeze(b, -1)), {});
   if (a.dim() == 1) return squeeze(matmul(unsqueeze(a, 0), b), -2);
   if (b.dim() == 1) return squeeze(matmul(a, unsqueeze(b, -1)), -1);
   QUILT_CHECK(a.size(-1) == b.size(-2), "[matmul] inner dims differ: ", a.shape(), " @ ", b.shape());

@@ -103,10 +103,18 @@ void reduce_typed(const ReduceLoop& l) {
     std::vector<A> acc(size_t(e - b), identity<op, A>());
     std::vector<int64_t> in_off(size_t(e - b));
     for (int64_t o = b; o < e; ++o) in_off[size_t(o - b)] = offset_of(o, l.out_ndim, l.out_shape, l.in_out_strides);
+    bool linear = true;  // kept elements contiguous in the input: the inner loop vectorises
+    for (size_t o = 1; o < in_off.size() && linear; ++o) linear = in_off[o] == in_off[0] + int64_t(o);
     for (int64_t r = 0; r < nred; ++r) {
       const T* base = in + offset_of(r, l.red_ndim, l.red_shape, l.red_strides);
-      for (int64_t o = 0; o < e - b; ++o)
-        acc[size_t(o)] = combine<op, A>(acc[size_t(o)], A(static_cast<compute_t<T>>(base[in_off[size_t(o)]])));
+      A* a = acc.data();
+      if (linear) {
+        const T* p = base + in_off[0];
+        for (int64_t o = 0; o < e - b; ++o) a[o] = combine<op, A>(a[o], A(static_cast<compute_t<T>>(p[o])));
+      } else {
+        for (int64_t o = 0; o < e - b; ++o)
+          a[o] = combine<op, A>(a[o], A(static_cast<compute_t<T>>(base[in_off[size_t(o)]])));
+      }
     }
     for (int64_t o = b; o < e; ++o)
       out[offset_of(o, l.out_ndim, l.out_shape, l.out_strides)] = O(static_cast<compute_t<O>>(acc[size_t(o - b)]));

@@ -1,0 +1,229 @@
+// Elementwise, reduction, matmul and view ops through the op harness (op_harness.h).
+#include <cmath>
+
+#include "op_harness.h"
+
+using namespace quilt;
+using namespace quilt::test;
+
+namespace {
+
+double erf_gelu(double x) { return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0))); }
+double sigm(double x) { return 1 / (1 + std::exp(-x)); }
+
+struct UnaryCase {
+  const char* name;
+  Tensor (*op)(const Tensor&);
+  double (*ref)(double);
+  Gen gen;
+};
+
+const UnaryCase kUnary[] = {
+    {"neg", [](const Tensor& x) { return neg(x); }, [](double a) { return -a; }, Gen::normal},
+    {"exp", [](const Tensor& x) { return exp(x); }, [](double a) { return std::exp(a); }, Gen::normal},
+    {"log", [](const Tensor& x) { return log(x); }, [](double a) { return std::log(a); }, Gen::positive},
+    {"sqrt", [](const Tensor& x) { return sqrt(x); }, [](double a) { return std::sqrt(a); }, Gen::positive},
+    {"rsqrt", [](const Tensor& x) { return rsqrt(x); }, [](double a) { return 1 / std::sqrt(a); }, Gen::positive},
+    {"tanh", [](const Tensor& x) { return tanh(x); }, [](double a) { return std::tanh(a); }, Gen::normal},
+    {"sigmoid", [](const Tensor& x) { return sigmoid(x); }, sigm, Gen::normal},
+    {"silu", [](const Tensor& x) { return silu(x); }, [](double a) { return a * sigm(a); }, Gen::normal},
+    {"gelu", [](const Tensor& x) { return gelu(x); }, erf_gelu, Gen::normal},
+    {"relu", [](const Tensor& x) { return relu(x); }, [](double a) { return a > 0 ? a : 0.0; }, Gen::away_from_zero},
+    {"abs", [](const Tensor& x) { return abs(x); }, [](double a) { return std::abs(a); }, Gen::away_from_zero},
+    {"sin", [](const Tensor& x) { return sin(x); }, [](double a) { return std::sin(a); }, Gen::normal},
+    {"cos", [](const Tensor& x) { return cos(x); }, [](double a) { return std::cos(a); }, Gen::normal},
+    {"square", [](const Tensor& x) { return square(x); }, [](double a) { return a * a; }, Gen::normal},
+};
+
+struct BinaryCase {
+  const char* name;
+  Tensor (*op)(const Tensor&, const Tensor&);
+  double (*ref)(double, double);
+  Gen ga, gb;
+};
+
+const BinaryCase kBinary[] = {
+    {"add", [](const Tensor& a, const Tensor& b) { return a + b; }, [](double a, double b) { return a + b; }, Gen::normal, Gen::normal},
+    {"sub", [](const Tensor& a, const Tensor& b) { return a - b; }, [](double a, double b) { return a - b; }, Gen::normal, Gen::normal},
+    {"mul", [](const Tensor& a, const Tensor& b) { return a * b; }, [](double a, double b) { return a * b; }, Gen::normal, Gen::normal},
+    {"div", [](const Tensor& a, const Tensor& b) { return a / b; }, [](double a, double b) { return a / b; }, Gen::normal, Gen::away_from_zero},
+    {"pow", [](const Tensor& a, const Tensor& b) { return pow(a, b); }, [](double a, double b) { return std::pow(a, b); }, Gen::positive, Gen::normal},
+    {"maximum", [](const Tensor& a, const Tensor& b) { return maximum(a, b); }, [](double a, double b) { return std::max(a, b); }, Gen::normal, Gen::normal},
+    {"minimum", [](const Tensor& a, const Tensor& b) { return minimum(a, b); }, [](double a, double b) { return std::min(a, b); }, Gen::normal, Gen::normal},
+};
+
+const std::pair<Shape, Shape> kBroadcastShapes[] = {
+    {{7}, {7}}, {{3, 5}, {3, 5}}, {{3, 1}, {1, 4}}, {{2, 3, 4}, {4}}, {{5}, {}}, {{0, 3}, {3}}, {{2, 1, 3}, {2, 4, 1}},
+};
+
+}  // namespace
+
+TEST_CASE("ops: every unary op matches its float64 reference, gradcheck and low precision") {
+  for (const auto& u : kUnary) {
+    for (const Shape& s : {Shape{13}, Shape{3, 7}, Shape{2, 3, 5}, Shape{}, Shape{0, 4}}) {
+      run_op_case({.name = std::string(u.name) + " " + std::to_string(s.size()) + "-d",
+                   .inputs = {{s, u.gen}},
+                   .op = [&](const V& x) { return V{u.op(x[0])}; },
+                   .ref = [&](const R& r) { return R{map(r[0], u.ref)}; },
+                   .lowp_tol = std::string(u.name) == "exp" ? 4e-2 : 0.0});
+    }
+  }
+}
+
+TEST_CASE("ops: every binary op broadcasts like NumPy and passes the harness") {
+  for (const auto& b : kBinary) {
+    for (const auto& [sa, sb] : kBroadcastShapes) {
+      run_op_case({.name = std::string(b.name),
+                   .inputs = {{sa, b.ga}, {sb, b.gb}},
+                   .op = [&](const V& x) { return V{b.op(x[0], x[1])}; },
+                   .ref = [&](const R& r) { return R{zip(r[0], r[1], b.ref)}; },
+                   .lowp_tol = std::string(b.name) == "pow" || std::string(b.name) == "div" ? 5e-2 : 0.0});
+    }
+  }
+}
+
+TEST_CASE("ops: comparisons, where and masked_fill") {
+  for (const auto& [sa, sb] : kBroadcastShapes) {
+    run_op_case({.name = "lt/ge/eq", .inputs = {{sa}, {sb}},
+                 .op = [](const V& x) { return V{lt(x[0], x[1]), ge(x[0], x[1]), eq(x[0], x[0])}; },
+                 .ref = [](const R& r) {
+                   return R{zip(r[0], r[1], [](double a, double b) { return double(a < b); }),
+                            zip(r[0], r[1], [](double a, double b) { return double(a >= b); }),
+                            zip(r[0], r[0], [](double a, double b) { return double(a == b); })};
+                 },
+                 .lowp = false});
+    run_op_case({.name = "where", .inputs = {{sa, Gen::mask}, {sa}, {sb}},
+                 .op = [](const V& x) { return V{where(x[0], x[1], x[2])}; },
+                 .ref = [](const R& r) {
+                   Ref ab = zip(r[1], r[2], [](double a, double) { return a; });
+                   Ref ba = zip(r[1], r[2], [](double, double b) { return b; });
+                   Ref m = zip(r[0], ab, [](double c, double) { return c; });
+                   Ref out(ab.shape);
+                   for (int64_t i = 0; i < out.numel(); ++i) out[i] = m[i] != 0 ? ab[i] : ba[i];
+                   return R{out};
+                 }});
+  }
+  run_op_case({.name = "masked_fill", .inputs = {{{4, 5}}, {{1, 5}, Gen::mask}},
+               .op = [](const V& x) { return V{masked_fill(x[0], x[1], -3.0)}; },
+               .ref = [](const R& r) { return R{zip(r[0], r[1], [](double a, double m) { return m != 0 ? -3.0 : a; })}; }});
+}
+
+TEST_CASE("ops: sum, mean, max and min over dims, all dims and keepdim") {
+  const std::vector<std::pair<Shape, Shape>> cases = {
+      {{17}, {}}, {{4, 6}, {1}}, {{4, 6}, {0}}, {{3, 4, 5}, {0, 2}}, {{3, 4, 5}, {-1}}, {{2, 3, 4}, {}}, {{0, 3}, {0}}, {{}, {}}};
+  for (const auto& [shape, dims] : cases) {
+    for (bool keep : {false, true}) {
+      run_op_case({.name = "sum", .inputs = {{shape}},
+                   .op = [&](const V& x) { return V{sum(x[0], dims, keep)}; },
+                   .ref = [&](const R& r) { return R{reduce(r[0], dims, keep, 0.0, [](double a, double b) { return a + b; })}; },
+                   .lowp_tol = 4e-2});
+      const int64_t count = [&] {
+        Ref probe(shape);
+        return probe.numel() / std::max<int64_t>(1, reduce(probe, dims, keep, 0, [](double a, double) { return a; }).numel());
+      }();
+      if (numel_of(shape) == 0) continue;
+      run_op_case({.name = "mean", .inputs = {{shape}},
+                   .op = [&](const V& x) { return V{mean(x[0], dims, keep)}; },
+                   .ref = [&](const R& r) {
+                     return R{map(reduce(r[0], dims, keep, 0.0, [](double a, double b) { return a + b; }),
+                                  [&](double s) { return s / double(count); })};
+                   }});
+      run_op_case({.name = "max", .inputs = {{shape}},
+                   .op = [&](const V& x) { return V{max(x[0], dims, keep), min(x[0], dims, keep)}; },
+                   .ref = [&](const R& r) {
+                     return R{reduce(r[0], dims, keep, -INFINITY, [](double a, double b) { return std::max(a, b); }),
+                              reduce(r[0], dims, keep, INFINITY, [](double a, double b) { return std::min(a, b); })};
+                   }});
+    }
+  }
+}
+
+TEST_CASE("ops: max splits the gradient evenly between ties") {
+  Tensor x = from_vector({1, 3, 3, 2}, {4}, {.dtype = DType::f64, .requires_grad = true});
+  max(x).backward();
+  CHECK(x.grad().to_vector() == std::vector<double>{0, 0.5, 0.5, 0});
+}
+
+TEST_CASE("ops: argmax picks the first maximum along a dim and over all") {
+  run_op_case({.name = "argmax", .inputs = {{{5, 7}}},
+               .op = [](const V& x) { return V{argmax(x[0], 1), argmax(x[0], 0, true), argmax(x[0])}; },
+               .ref = [](const R& r) {
+                 const Ref& a = r[0];
+                 Ref r1({5}), r0({1, 7}), all(Shape{});
+                 for (int64_t i = 0; i < 5; ++i) {
+                   int64_t best = 0;
+                   for (int64_t j = 1; j < 7; ++j) if (a.at({i, j}) > a.at({i, best})) best = j;
+                   r1[i] = double(best);
+                 }
+                 for (int64_t j = 0; j < 7; ++j) {
+                   int64_t best = 0;
+                   for (int64_t i = 1; i < 5; ++i) if (a.at({i, j}) > a.at({best, j})) best = i;
+                   r0[j] = double(best);
+                 }
+                 int64_t b = 0;
+                 for (int64_t i = 1; i < a.numel(); ++i) if (a[i] > a[b]) b = i;
+                 all[0] = double(b);
+                 return R{r1, r0, all};
+               },
+               .lowp = false});
+  Tensor t = from_vector({1, 5, 5, 0}, {4});
+  CHECK(argmax(t).item<int64_t>() == 1);
+}
+
+TEST_CASE("ops: matmul covers vectors, matrices, batches and broadcast batch dims") {
+  const std::vector<std::pair<Shape, Shape>> cases = {
+      {{5}, {5}}, {{3, 5}, {5}}, {{5}, {5, 4}}, {{3, 5}, {5, 4}}, {{2, 3, 5}, {5, 4}}, {{2, 3, 5}, {2, 5, 4}},
+      {{2, 1, 3, 5}, {4, 5, 2}}, {{1, 3, 5}, {3, 5, 2}}, {{0, 5}, {5, 3}}, {{3, 0}, {0, 2}}, {{17, 33}, {33, 9}}};
+  for (const auto& [sa, sb] : cases) {
+    run_op_case({.name = "matmul", .inputs = {{sa}, {sb}},
+                 .op = [](const V& x) { return V{matmul(x[0], x[1])}; },
+                 .ref = [](const R& r) { return R{matmul(r[0], r[1])}; },
+                 .lowp_tol = 4e-2, .f32_tol = 1e-5});
+  }
+  run_op_case({.name = "linear", .inputs = {{{2, 3, 6}}, {{4, 6}}, {{4}}},
+               .op = [](const V& x) { return V{linear(x[0], x[1], x[2])}; },
+               .ref = [](const R& r) {
+                 return R{zip(matmul(r[0], permute(r[1], {1, 0})), r[2], [](double a, double b) { return a + b; })};
+               },
+               .lowp_tol = 4e-2});
+}
+
+TEST_CASE("ops: views and copies carry gradients back through the view") {
+  run_op_case({.name = "permute+reshape", .inputs = {{{2, 3, 4}}},
+               .op = [](const V& x) { return V{x[0].permute({2, 0, 1}).reshape({4, 6}) * 2.0}; },
+               .ref = [](const R& r) {
+                 Ref p = permute(r[0], {2, 0, 1});
+                 p.shape = {4, 6};
+                 return R{map(p, [](double a) { return 2 * a; })};
+               }});
+  run_op_case({.name = "slice+select", .inputs = {{{5, 6}}},
+               .op = [](const V& x) { return V{x[0].slice(1, 1, 6, 2), x[0].select(0, 3), x[0].narrow(0, 1, 2)}; },
+               .ref = [](const R& r) {
+                 const Ref& a = r[0];
+                 Ref s({5, 3}), sel({6}), nar({2, 6});
+                 for (int64_t i = 0; i < 5; ++i)
+                   for (int64_t j = 0; j < 3; ++j) s.at({i, j}) = a.at({i, 1 + 2 * j});
+                 for (int64_t j = 0; j < 6; ++j) sel[j] = a.at({3, j});
+                 for (int64_t i = 0; i < 2; ++i)
+                   for (int64_t j = 0; j < 6; ++j) nar.at({i, j}) = a.at({i + 1, j});
+                 return R{s, sel, nar};
+               }});
+  run_op_case({.name = "expand+unsqueeze+flatten", .inputs = {{{3, 1}}},
+               .op = [](const V& x) { return V{x[0].expand({2, 3, 4}).flatten(1), x[0].squeeze(1).unsqueeze(0)}; },
+               .ref = [](const R& r) {
+                 Ref e({2, 12});
+                 for (int64_t b = 0; b < 2; ++b)
+                   for (int64_t i = 0; i < 3; ++i)
+                     for (int64_t j = 0; j < 4; ++j) e.at({b, i * 4 + j}) = r[0][i];
+                 Ref u({1, 3}, r[0].v);
+                 return R{e, u};
+               }});
+  run_op_case({.name = "cast round trip", .inputs = {{{4, 3}}},
+               .op = [](const V& x) { return V{x[0].to(DType::f32).to(x[0].dtype()) * 1.0}; },
+               .ref = [](const R& r) { return R{map(r[0], [](double a) { return double(float(a)); })}; },
+               .gradcheck = false});  // the f32 rounding makes finite differences meaningless
+  Tensor x = from_vector({1.5, -2}, {2}, {.dtype = DType::f64, .requires_grad = true});
+  sum(x.to(DType::bf16) * 3.0).backward();
+  CHECK(x.grad().dtype() == DType::f64);
+  CHECK(x.grad().to_vector() == std::vector<double>{3, 3});
+}
