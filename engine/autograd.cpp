@@ -50,8 +50,9 @@ class AccumulateGrad final : public Node {
       } else {
         // Take ownership when no other tensor can see these bytes; otherwise copy, so
         // later in-place accumulation cannot write into another tensor.
-        const bool sole = g.is_contiguous() && g.offset() == 0 && g.impl_ptr().use_count() <= 2 &&
-                          g.storage().use_count() == 1 && g.storage().nbytes() == g.nbytes();
+        const bool sole = !g.is_distributed() && g.is_contiguous() && g.offset() == 0 &&
+                          g.impl_ptr().use_count() <= 2 && g.storage().use_count() == 1 &&
+                          g.storage().nbytes() == g.nbytes();
         m.grad = (sole ? g.detach() : clone(g.detach())).impl_ptr();
       }
     } else if (grad_enabled()) {

@@ -14,6 +14,11 @@ DistributedDispatch& dist_dispatch() {
   return fn;
 }
 
+DistributedZeros& dist_zeros() {
+  static DistributedZeros fn;
+  return fn;
+}
+
 TensorMeta meta_of(const Tensor& t) {
   if (!t.defined()) return {};
   return TensorMeta{t.shape(), t.dtype(), t.device(), t.dist_spec()};
@@ -32,10 +37,12 @@ class PrimitiveNode final : public Node {
     if (!any) return std::vector<Tensor>(next.size());
     BackwardContext ctx;
     for (size_t i = 0; i < grads.size(); ++i) {
-      if (!grads[i].defined()) {
-        Tensor z = zeros(outputs[i].shape, {.dtype = outputs[i].dtype, .device = outputs[i].device});
-        if (outputs[i].dist) z.set_dist_spec(outputs[i].dist);
-        grads[i] = z;
+      if (grads[i].defined()) continue;
+      if (outputs[i].dist) {
+        QUILT_CHECK(static_cast<bool>(dist_zeros()), "[", name_, " backward] no distributed zeros factory installed");
+        grads[i] = dist_zeros()(outputs[i]);
+      } else {
+        grads[i] = zeros(outputs[i].shape, {.dtype = outputs[i].dtype, .device = outputs[i].device});
       }
     }
     ctx.grads = std::move(grads);
@@ -67,6 +74,23 @@ std::vector<Tensor> Primitive::backward(const BackwardContext&) {
 }
 
 void set_distributed_dispatch(DistributedDispatch fn) { dist_dispatch() = std::move(fn); }
+void set_distributed_zeros(DistributedZeros fn) { dist_zeros() = std::move(fn); }
+
+namespace {
+DistSpecEqual& spec_equal() {
+  static DistSpecEqual fn;
+  return fn;
+}
+}  // namespace
+
+void set_dist_spec_equal(DistSpecEqual fn) { spec_equal() = std::move(fn); }
+
+bool same_layout(const Tensor& a, const Tensor& b) {
+  if (a.is_distributed() != b.is_distributed()) return false;
+  if (!a.is_distributed()) return true;
+  if (a.dist_spec() == b.dist_spec()) return true;
+  return spec_equal() && spec_equal()(*a.dist_spec(), *b.dist_spec());
+}
 
 std::vector<Tensor> apply(std::shared_ptr<Primitive> p, const std::vector<Tensor>& inputs) {
   bool any_dist = false, any_grad = false;
@@ -76,7 +100,7 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> p, const std::vector<Tensor
     any_grad = any_grad || t.requires_grad();
   }
   std::vector<Tensor> outs;
-  if (any_dist) {
+  if (any_dist && !p->composite()) {
     QUILT_CHECK(static_cast<bool>(dist_dispatch()), "[", p->name(),
                 "] got a distributed tensor but no distributed dispatcher is installed");
     outs = dist_dispatch()(*p, inputs);

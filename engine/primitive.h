@@ -7,8 +7,10 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "engine/autograd.h"
@@ -25,6 +27,11 @@ struct BackwardContext {
   std::vector<TensorMeta> outputs;
 };
 
+/// A primitive's attribute value: an int (dim, index), a float, a flag, a shape/dim list or a name.
+using AttrValue = std::variant<int64_t, double, bool, Shape, std::string>;
+/// Named attributes of a primitive — what sharding rules read ("dims", "shape", "keepdim", ...).
+using Attrs = std::map<std::string, AttrValue>;
+
 class Primitive {
  public:
   virtual ~Primitive() = default;
@@ -36,8 +43,13 @@ class Primitive {
   virtual void save(const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs) {}
   /// Gradients w.r.t. inputs; entries where !ctx.needs[i] may stay undefined.
   virtual std::vector<Tensor> backward(const BackwardContext& ctx);
+  /// The op's attributes by name (dims, shapes, flags) for sharding rules and printing.
+  virtual Attrs attrs() const { return {}; }
   /// True for outputs that can carry gradients (default: floating outputs).
   virtual bool differentiable_output(size_t i, const Tensor& out) const { return is_floating(out.dtype()); }
+  /// True when forward is itself written in ops (checkpoint): apply() then runs it on
+  /// distributed inputs as they are, since the ops inside dispatch themselves.
+  virtual bool composite() const { return false; }
 
  protected:
   /// Saved tensors are detached copies of the handles (no graph cycles).
@@ -55,6 +67,14 @@ Tensor apply1(std::shared_ptr<Primitive> p, const std::vector<Tensor>& inputs);
 using DistributedDispatch =
     std::function<std::vector<Tensor>(Primitive& p, const std::vector<Tensor>& inputs)>;
 void set_distributed_dispatch(DistributedDispatch fn);
+/// Makes a zero tensor for a distributed metadata (gradients of unused distributed outputs).
+using DistributedZeros = std::function<Tensor(const TensorMeta& meta)>;
+void set_distributed_zeros(DistributedZeros fn);
+/// Layout equality of two distributed specs (in-place ops on distributed tensors need equal layouts).
+using DistSpecEqual = std::function<bool(const DistSpec& a, const DistSpec& b)>;
+void set_dist_spec_equal(DistSpecEqual fn);
+/// True when both tensors are plain, or both distributed with equal layouts.
+bool same_layout(const Tensor& a, const Tensor& b);
 
 /// Throws "[op] has no CUDA implementation in this build" if any input is on a CUDA device.
 void require_cpu(const char* op, const std::vector<Tensor>& inputs);

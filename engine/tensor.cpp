@@ -82,12 +82,29 @@ bool Tensor::is_contiguous() const {
   return true;
 }
 
+Tensor Tensor::make_distributed(const Tensor& local, std::shared_ptr<const DistSpec> spec, Shape global_shape) {
+  QUILT_CHECK(local.defined() && !local.is_distributed(), "[distributed] the local shard must be an ordinary tensor");
+  auto impl = std::make_shared<TensorImpl>();
+  impl->strides = contiguous_strides(global_shape);
+  impl->shape = std::move(global_shape);
+  impl->dtype = local.dtype();
+  impl->dist = std::move(spec);
+  impl->local = local.impl_ptr();
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::local() const { return impl().local ? Tensor(impl().local) : *this; }
+
 void* Tensor::data_ptr() const {
+  QUILT_CHECK(!impl().local, "[data_ptr] distributed tensor of global shape ", shape(),
+              " has no data of its own; use its local shard (to_local)");
   char* base = static_cast<char*>(impl().storage.data());
   return base ? base + impl().offset * int64_t(element_size()) : nullptr;
 }
 
 std::vector<double> Tensor::to_vector() const {
+  QUILT_CHECK(!is_distributed(), "[to_vector] distributed tensor of global shape ", shape(),
+              ": gather it first (full_tensor) or read its local shard");
   Tensor c = quilt::to(quilt::to(detach(), Device::cpu()), DType::f64).contiguous();
   const double* p = c.data<double>();
   return std::vector<double>(p, p + c.numel());
@@ -135,6 +152,7 @@ Tensor Tensor::detach() const {
   impl2->offset = impl().offset;
   impl2->dtype = impl().dtype;
   impl2->dist = impl().dist;
+  impl2->local = impl().local;
   impl2->name = impl().name;
   return Tensor(std::move(impl2));
 }
@@ -225,6 +243,12 @@ void print_values(std::ostringstream& os, const std::vector<double>& v, const Sh
 std::string Tensor::str() const {
   if (!defined()) return "Tensor(undefined)";
   std::ostringstream os;
+  if (is_distributed()) {
+    os << "DistributedTensor(shape=";
+    detail::append(os, shape());
+    os << ", dtype=" << dtype_name(dtype()) << ", local=" << local().str() << ')';
+    return os.str();
+  }
   os << "Tensor(";
   if (numel() <= 100000) {
     print_values(os, to_vector(), shape(), 0, 0, dtype(), 7);

@@ -60,7 +60,10 @@ struct TensorImpl {
   int64_t offset = 0;  // in elements
   DType dtype = DType::f32;
   std::unique_ptr<AutogradMeta> autograd;
+  // Distributed tensors: `shape` is the global shape, there is no storage of its own, and
+  // `local` is this rank's shard (an ordinary tensor). Set only together with `dist`.
   std::shared_ptr<const DistSpec> dist;
+  std::shared_ptr<TensorImpl> local;
   std::string name;
   AutogradMeta& meta() {
     if (!autograd) autograd = std::make_unique<AutogradMeta>();
@@ -98,7 +101,7 @@ class Tensor {
   int64_t numel() const { return numel_of(impl().shape); }
   int64_t offset() const { return impl().offset; }
   DType dtype() const { return impl().dtype; }
-  Device device() const { return impl().storage.device(); }
+  Device device() const { return impl().local ? impl().local->storage.device() : impl().storage.device(); }
   size_t element_size() const { return dtype_size(dtype()); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * element_size(); }
   bool is_contiguous() const;
@@ -149,7 +152,11 @@ class Tensor {
   // ---- distributed ----
   const std::shared_ptr<const DistSpec>& dist_spec() const { return impl().dist; }
   bool is_distributed() const { return impl_ && impl_->dist != nullptr; }
-  void set_dist_spec(std::shared_ptr<const DistSpec> spec) { impl().dist = std::move(spec); }
+  /// A distributed tensor of global shape `global_shape` whose shard on this rank is `local`
+  /// (dtensor/ builds these; the engine only carries them).
+  static Tensor make_distributed(const Tensor& local, std::shared_ptr<const DistSpec> spec, Shape global_shape);
+  /// This rank's shard of a distributed tensor; the tensor itself otherwise.
+  Tensor local() const;
 
   // ---- views (share storage) ----
   Tensor view(const Shape& shape) const;

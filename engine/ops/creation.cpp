@@ -7,6 +7,7 @@
 #include "engine/cuda_runtime.h"
 #include "engine/ops/dispatch.h"
 #include "engine/ops/view.h"
+#include "engine/primitive.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cuda/kernels.h"
 
@@ -42,10 +43,36 @@ Tensor full(const Shape& shape, double value, TensorOptions opts) {
 Tensor zeros(const Shape& shape, TensorOptions opts) { return full(shape, 0.0, opts); }
 Tensor ones(const Shape& shape, TensorOptions opts) { return full(shape, 1.0, opts); }
 Tensor scalar_tensor(double value, TensorOptions opts) { return full({}, value, opts); }
-Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), {.dtype = t.dtype(), .device = t.device()}); }
-Tensor ones_like(const Tensor& t) { return ones(t.shape(), {.dtype = t.dtype(), .device = t.device()}); }
-Tensor full_like(const Tensor& t, double v) { return full(t.shape(), v, {.dtype = t.dtype(), .device = t.device()}); }
-Tensor empty_like(const Tensor& t) { return empty(t.shape(), {.dtype = t.dtype(), .device = t.device()}); }
+namespace {
+// full_like as an op, so a distributed input gets a distributed result (the sharding rule
+// keeps the input's layout); plain inputs skip the op machinery.
+class FullLike final : public Primitive {
+ public:
+  explicit FullLike(double v) : value_(v) {}
+  const char* name() const override { return "full_like"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    return {full(in[0].shape(), value_, {.dtype = in[0].dtype(), .device = in[0].device()})};
+  }
+  bool differentiable_output(size_t, const Tensor&) const override { return false; }
+  Attrs attrs() const override { return {{"value", value_}}; }
+
+ private:
+  double value_;
+};
+}  // namespace
+
+Tensor full_like(const Tensor& t, double v) {
+  if (t.is_distributed()) {
+    NoGradGuard ng;
+    return apply1(std::make_shared<FullLike>(v), {t.detach()});
+  }
+  return full(t.shape(), v, {.dtype = t.dtype(), .device = t.device()});
+}
+Tensor zeros_like(const Tensor& t) { return full_like(t, 0.0); }
+Tensor ones_like(const Tensor& t) { return full_like(t, 1.0); }
+Tensor empty_like(const Tensor& t) {
+  return t.is_distributed() ? full_like(t, 0.0) : empty(t.shape(), {.dtype = t.dtype(), .device = t.device()});
+}
 
 Tensor arange(double start, double end, double step, TensorOptions opts) {
   QUILT_CHECK(step != 0, "[arange] step must be non-zero");

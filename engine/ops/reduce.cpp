@@ -122,6 +122,7 @@ class Reduce final : public Primitive {
   bool differentiable_output(size_t, const Tensor& out) const override {
     return op_ != ReduceOp::argmax && is_floating(out.dtype());
   }
+  Attrs attrs() const override { return {{"dims", dims_}, {"keepdim", keepdim_}}; }
 
  private:
   ReduceOp op_;

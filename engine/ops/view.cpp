@@ -83,6 +83,7 @@ class View final : public Primitive {
     return {alias(x, shape_, *st, x.offset())};
   }
   std::vector<Tensor> backward(const BackwardContext& ctx) override { return {reshape(ctx.grads[0], ctx.inputs[0].shape)}; }
+  Attrs attrs() const override { return {{"shape", shape_}}; }
 
  private:
   Shape shape_;
@@ -106,6 +107,7 @@ class Permute final : public Primitive {
     for (size_t i = 0; i < dims_.size(); ++i) inv[size_t(dims_[i])] = int64_t(i);
     return {permute(ctx.grads[0], inv)};
   }
+  Attrs attrs() const override { return {{"dims", dims_}}; }
 
  private:
   Shape dims_;
@@ -120,6 +122,7 @@ class Expand final : public Primitive {
     return {alias(x, shape_, ops::broadcast_strides(x, shape_), x.offset())};
   }
   std::vector<Tensor> backward(const BackwardContext& ctx) override { return {sum_to(ctx.grads[0], ctx.inputs[0].shape)}; }
+  Attrs attrs() const override { return {{"shape", shape_}}; }
 
  private:
   Shape shape_;
@@ -129,6 +132,7 @@ class Slice final : public Primitive {
  public:
   Slice(int64_t dim, int64_t start, int64_t len, int64_t step) : dim_(dim), start_(start), len_(len), step_(step) {}
   const char* name() const override { return "slice"; }
+  Attrs attrs() const override { return {{"dim", dim_}, {"start", start_}, {"length", len_}, {"step", step_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
     Shape sh = x.shape(), st = x.strides();
@@ -171,6 +175,9 @@ class Copy final : public Primitive {
     return {g};
   }
   bool differentiable_output(size_t, const Tensor& out) const override { return is_floating(out.dtype()); }
+  Attrs attrs() const override {
+    return {{"dtype", std::string(dtype_name(dtype_))}, {"device", device_.str()}};
+  }
 
  private:
   DType dtype_;
@@ -352,8 +359,22 @@ Tensor to(const Tensor& x, Device device) {
 Tensor clone(const Tensor& x) { return apply1(std::make_shared<Copy>(x.dtype(), x.device(), "clone"), {x}); }
 
 // ---- in-place Tensor methods ----
+// In-place ops on distributed tensors act on the local shards, which is right only when both
+// sides share one layout; anything else needs a redistribute first.
+void check_local_inplace(const char* op, const Tensor& self, const Tensor& other) {
+  QUILT_CHECK(same_layout(self, other), "[", op, "] in-place between tensors of different layouts (",
+              self.is_distributed() ? "distributed" : "plain", " and ", other.is_distributed() ? "distributed" : "plain",
+              "); redistribute first");
+}
+
 Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
+  if (is_distributed() || src.is_distributed()) {
+    check_local_inplace("copy_", *this, src);
+    Tensor mine = local();
+    mine.copy_(src.local());
+    return *this;
+  }
   if (numel() == 0) return *this;
   if (device() != src.device()) {
     copy_across_devices(*this, src);
@@ -367,6 +388,11 @@ Tensor& Tensor::copy_(const Tensor& src) {
 
 Tensor& Tensor::fill_(double value) {
   check_inplace(*this, "fill_");
+  if (is_distributed()) {
+    Tensor mine = local();
+    mine.fill_(value);
+    return *this;
+  }
   if (numel() == 0) return *this;
   auto loop = ops::loop_over<1>(shape(), {this});
   if (device().is_cpu()) kernels::cpu::fill(dtype(), value, loop);
@@ -376,6 +402,12 @@ Tensor& Tensor::fill_(double value) {
 
 Tensor& Tensor::add_(const Tensor& other, double alpha) {
   check_inplace(*this, "add_");
+  if (is_distributed() || other.is_distributed()) {
+    check_local_inplace("add_", *this, other);
+    Tensor mine = local();
+    mine.add_(other.local(), alpha);
+    return *this;
+  }
   NoGradGuard ng;
   Tensor o = other.dtype() == dtype() ? other.detach() : cast(other.detach(), dtype());
   if (alpha != 1.0) o = o * alpha;
@@ -389,6 +421,11 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
 
 Tensor& Tensor::mul_(double s) {
   check_inplace(*this, "mul_");
+  if (is_distributed()) {
+    Tensor mine = local();
+    mine.mul_(s);
+    return *this;
+  }
   if (numel() == 0) return *this;
   NoGradGuard ng;
   Tensor o = scalar_like(s, *this);
