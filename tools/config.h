@@ -1,0 +1,173 @@
+// Training recipes: the YAML file `quilt train --config FILE` reads, as plain structs.
+//
+// A recipe has the sections model:, data:, train:, distributed:, dist_env:, checkpoint: and
+// logging:. Every key has a default, so a recipe names only what it changes. Command-line
+// overrides ("train.steps=20") are applied to the YAML tree before it is parsed, so they are
+// checked exactly like the file. Any unknown key, wrong type or bad value throws quilt::Error
+// naming the full dotted key (and, for unknown keys, the valid keys of that section) before
+// any rank starts work.
+//
+//   RecipeConfig cfg = load_recipe("recipes/llama_tiny.yaml", {"train.steps=20"});
+//   ParallelDims dims = check_recipe(cfg, /*world_size=*/4);   // cross-section rules
+//   std::cout << recipe_to_yaml(cfg);                           // the effective recipe
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/dtype.h"
+#include "parallel/parallel_dims.h"
+
+namespace quilt {
+
+/// model.rope_parameters: RoPE frequency scaling (HF's rope_scaling / rope_parameters).
+struct RopeParameters {
+  std::string rope_type = "llama3";  // default | llama3
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+/// model: a decoder described with Hugging Face config.json names.
+struct ModelConfig {
+  std::string model_type = "llama";
+  int64_t hidden_size = 128;
+  int64_t intermediate_size = 384;
+  int64_t num_hidden_layers = 4;
+  int64_t num_attention_heads = 4;
+  std::optional<int64_t> num_key_value_heads;  // none: num_attention_heads (no GQA)
+  std::optional<int64_t> head_dim;             // none: hidden_size / num_attention_heads
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  std::optional<RopeParameters> rope_parameters;  // none: plain RoPE
+  int64_t vocab_size = 320;
+  bool tie_word_embeddings = false;
+  int64_t max_position_embeddings = 2048;
+  double initializer_range = 0.02;
+
+  /// num_key_value_heads, or num_attention_heads when it is none.
+  int64_t kv_heads() const { return num_key_value_heads.value_or(num_attention_heads); }
+  /// head_dim, or hidden_size / num_attention_heads when it is none.
+  int64_t head_dimension() const { return head_dim.value_or(hidden_size / num_attention_heads); }
+  /// Parameters of a Llama decoder of this shape (embedding, layers, final norm, untied head).
+  int64_t num_parameters() const;
+};
+
+/// How token shards are laid out on disk.
+enum class DataFormat {
+  kLlmc,     // llm.c: 256 x int32 header (magic, version, token count), then uint16 or uint32 tokens
+  kNanogpt,  // nanoGPT: raw uint16 tokens, no header
+};
+/// "llmc" or "nanogpt".
+const char* data_format_name(DataFormat f);
+
+/// data: where the token shards are.
+struct DataConfig {
+  std::string path;                     // a directory of *.bin shards, a glob, or one file (relative: to the cwd)
+  std::optional<std::string> val_path;  // none: no validation
+  std::string tokenizer = "byte";
+  DataFormat format = DataFormat::kLlmc;
+};
+
+/// How the learning rate falls after warm-up.
+enum class Decay { kCosine, kLinear };
+/// "cosine" or "linear".
+const char* decay_name(Decay d);
+
+/// train: the optimisation loop (AdamW with warm-up and decay).
+struct TrainConfig {
+  int64_t steps = 100;
+  int64_t global_batch_size = 8;  // sequences per optimizer step, over all data-parallel ranks
+  int64_t micro_batch_size = 1;   // sequences per rank per forward/backward
+  int64_t seq_len = 128;
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup_steps = 10;       // may exceed steps (short smoke runs): lr then never peaks
+  Decay decay = Decay::kCosine;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  std::optional<double> max_grad_norm = 1.0;  // none: no clipping
+  int64_t seed = 1234;
+  DType dtype = DType::f32;              // master weights and optimizer state
+  std::optional<DType> param_dtype;      // none: dtype (compute dtype of parameters)
+  std::optional<DType> reduce_dtype;     // none: dtype (gradient reduction dtype)
+  std::optional<DType> output_dtype;     // none: dtype (dtype of module outputs)
+  int64_t eval_every = 0;                // 0: never
+  int64_t eval_steps = 10;               // global batches per evaluation
+
+  /// Gradient-accumulation micro-steps per optimizer step for `dp` data-parallel ranks.
+  int64_t accumulation_steps(int64_t dp) const { return global_batch_size / (micro_batch_size * dp); }
+};
+
+/// Parses a dtype name: float32/fp32/f32, bfloat16/bf16, float16/fp16/f16, float64/fp64/f64.
+std::optional<DType> parse_float_dtype(const std::string& s);
+/// The recipe spelling of a floating dtype: "float32", "bfloat16", "float16", "float64".
+const char* float_dtype_name(DType d);
+
+/// Communication backend of the run.
+enum class Backend { kMpi, kNccl, kThreads };
+/// "mpi", "nccl" or "threads".
+const char* backend_name(Backend b);
+
+/// dist_env: how ranks talk.
+struct DistEnvConfig {
+  Backend backend = Backend::kMpi;
+  double timeout_s = 300.0;  // a collective that takes longer aborts the job, naming rank and op
+};
+
+/// checkpoint.resume: start fresh, continue from the newest checkpoint in dir, or load a path.
+struct ResumeSpec {
+  enum class Kind { kAuto, kNone, kPath };
+  Kind kind = Kind::kAuto;
+  std::string path;  // kPath only
+};
+
+/// checkpoint: sharded checkpoints every so many steps.
+struct CheckpointConfig {
+  std::optional<std::string> dir;  // none: no checkpoints
+  int64_t every_steps = 0;         // 0: only at the end (when dir is set)
+  int64_t keep_last = 0;           // 0: keep all
+  ResumeSpec resume;
+  bool save_consolidated = false;  // also write HF-compatible safetensors at the end
+};
+
+/// logging: metrics lines and files.
+struct LoggingConfig {
+  std::optional<std::string> dir;  // none: stdout only
+  int64_t every_steps = 10;
+  bool rank0_only = true;
+};
+
+/// A whole recipe.
+struct RecipeConfig {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  DistributedConfig distributed;
+  DistEnvConfig dist_env;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+  std::string source;  // file it came from ("<string>" for parse_recipe)
+};
+
+/// Reads a recipe file and applies "a.b.c=value" overrides; throws naming the key on any error.
+RecipeConfig load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
+/// Parses recipe text (tests, embedded recipes); `source` names it in errors.
+RecipeConfig parse_recipe(const std::string& yaml_text, const std::vector<std::string>& overrides = {},
+                          const std::string& source = "<string>");
+/// The effective recipe as YAML (every key, defaults included); parse_recipe reads it back unchanged.
+std::string recipe_to_yaml(const RecipeConfig& cfg);
+
+/// Rules that tie sections together or need the world size (batch vs data-parallel degree,
+/// sequence length vs context parallelism, heads vs tensor parallelism, ...). Returns the
+/// validated ParallelDims; throws naming the keys involved.
+ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size);
+/// Smallest world size the recipe can run on: dp_size (or 1) * tp_size * pp_size * cp_size.
+int64_t default_world_size(const RecipeConfig& cfg);
+
+}  // namespace quilt
