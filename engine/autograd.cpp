@@ -32,15 +32,20 @@ class AccumulateGrad final : public Node {
     retained.resize(1);
   }
   std::string name() const override { return "AccumulateGrad"; }
+  // The leaf's tensor hooks, in order (also run when grad() captures this leaf's gradient).
+  Tensor run_hooks(Tensor g) {
+    for (auto& h : leaf_->meta().hooks) {
+      Tensor r = h(g);
+      if (r.defined()) g = r;
+    }
+    return g;
+  }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
     Tensor g = grads[0];
     if (!g.defined()) return {};
     Tensor leaf(leaf_);
     AutogradMeta& m = leaf_->meta();
-    for (auto& h : m.hooks) {
-      Tensor r = h(g);
-      if (r.defined()) g = r;
-    }
+    g = run_hooks(g);
     QUILT_CHECK(g.shape() == leaf_->shape, "[backward] gradient of shape ", g.shape(), " for leaf '",
                 leaf_->name, "' of shape ", leaf_->shape);
     if (g.dtype() != leaf_->dtype) g = cast(g, leaf_->dtype);
@@ -180,6 +185,8 @@ std::vector<Tensor> execute(const std::vector<Tensor>& roots, const std::vector<
         }
       }
     }
+    if (capture && is_leaf_acc && !grads.empty() && grads[0].defined())
+      grads[0] = static_cast<AccumulateGrad*>(n)->run_hooks(grads[0]);  // grad() sees hooked leaf gradients too
     if (auto it = captures.find(n); it != captures.end())
       for (auto [slot, idx] : it->second) accumulate_into(captured[idx], grads[slot]);
     std::vector<Tensor> outs;

@@ -5,7 +5,11 @@
 #pragma once
 
 #include "engine/autograd.h"
+#include "engine/checkpoint.h"
 #include "engine/device.h"
+#include "engine/io/safetensors.h"
+#include "engine/nn/layers.h"
+#include "engine/nn/module.h"
 #include "engine/ops/binary.h"
 #include "engine/ops/creation.h"
 #include "engine/ops/index.h"
@@ -14,5 +18,10 @@
 #include "engine/ops/reduce.h"
 #include "engine/ops/unary.h"
 #include "engine/ops/view.h"
+#include "engine/optim/adamw.h"
+#include "engine/optim/clip_grad.h"
+#include "engine/optim/lr_schedule.h"
+#include "engine/optim/optimizer.h"
+#include "engine/optim/sgd.h"
 #include "engine/random.h"
 #include "engine/tensor.h"

@@ -1,0 +1,113 @@
+// Activation checkpointing as a composite Primitive: forward under no-grad keeping only the
+// inputs; backward recomputes with grad on and runs a nested backward through the recomputation.
+#include "engine/checkpoint.h"
+
+#include "engine/autograd.h"
+#include "engine/ops/view.h"
+#include "engine/primitive.h"
+
+namespace quilt {
+namespace {
+
+class Checkpoint final : public Primitive {
+ public:
+  // `anchored`: the last input is a placeholder leaf that only makes the node exist.
+  Checkpoint(CheckpointFn fn, Generator* gen, bool anchored) : fn_(std::move(fn)), gen_(gen), anchored_(anchored) {}
+  const char* name() const override { return "checkpoint"; }
+  bool composite() const override { return true; }
+
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    counter_ = gen_->counter();
+    NoGradGuard ng;
+    std::vector<Tensor> outs = fn_(user_inputs(in));
+    for (Tensor& o : outs) {
+      QUILT_CHECK(o.defined(), "[checkpoint] the function returned an undefined tensor");
+      // Fresh handles: the node must never take over a tensor fn returned as is (a parameter).
+      o = o.detach();
+    }
+    return outs;
+  }
+
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
+    const std::vector<Tensor> user = user_inputs(in);
+    for (const Tensor& t : user) {
+      saved_.push_back(t.defined() ? t.detach() : Tensor());
+      wants_grad_.push_back(t.defined() && t.requires_grad());
+    }
+  }
+
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    // Recompute on fresh leaves that require grad as the originals did.
+    std::vector<Tensor> leaves;
+    for (size_t i = 0; i < saved_.size(); ++i) {
+      Tensor x = saved_[i].defined() ? saved_[i].detach() : Tensor();
+      if (wants_grad_[i]) x.set_requires_grad(true);
+      leaves.push_back(x);
+    }
+    std::vector<Tensor> outs;
+    {
+      EnableGradGuard eg;
+      const uint64_t now = gen_->counter();
+      gen_->set_counter(counter_);
+      try {
+        outs = fn_(leaves);
+      } catch (...) {
+        gen_->set_counter(now);
+        throw;
+      }
+      gen_->set_counter(now);  // later draws continue where the forward passes left them
+    }
+    QUILT_CHECK(outs.size() == ctx.outputs.size(), "[checkpoint] recomputation returned ", outs.size(),
+                " tensors, the forward returned ", ctx.outputs.size());
+    std::vector<Tensor> roots, seeds;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      QUILT_CHECK(outs[i].defined() && outs[i].shape() == ctx.outputs[i].shape, "[checkpoint] recomputed output ", i,
+                  " has shape ", outs[i].defined() ? outs[i].shape() : Shape{}, ", the forward had ",
+                  ctx.outputs[i].shape, " (is the function deterministic?)");
+      if (!outs[i].requires_grad()) continue;
+      roots.push_back(outs[i]);
+      const Tensor& g = ctx.grads[i];
+      seeds.push_back(g.dtype() == outs[i].dtype() ? g : cast(g, outs[i].dtype()));
+    }
+    if (!roots.empty()) run_backward(roots, seeds, /*retain_graph=*/false, /*create_graph=*/false);
+    std::vector<Tensor> grads;
+    for (size_t i = 0; i < leaves.size(); ++i) grads.push_back(wants_grad_[i] ? leaves[i].grad() : Tensor());
+    if (anchored_) grads.push_back(Tensor());
+    return grads;
+  }
+
+ private:
+  std::vector<Tensor> user_inputs(const std::vector<Tensor>& in) const {
+    return anchored_ ? std::vector<Tensor>(in.begin(), in.end() - 1) : in;
+  }
+
+  CheckpointFn fn_;
+  Generator* gen_;
+  bool anchored_;
+  uint64_t counter_ = 0;
+  std::vector<bool> wants_grad_;
+};
+
+}  // namespace
+
+std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs, Generator* gen) {
+  QUILT_CHECK(static_cast<bool>(fn), "[checkpoint] got an empty function");
+  if (!gen) gen = &default_generator();
+  bool any_grad = false;
+  for (const Tensor& t : inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
+  std::vector<Tensor> in = inputs;
+  // Parameters used inside fn need the node even when no input requires grad (the first
+  // block sees plain data): an empty leaf that requires grad makes apply() record it.
+  const bool anchored = grad_enabled() && !any_grad;
+  if (anchored) in.push_back(Tensor::empty({0}).set_requires_grad(true));
+  return quilt::apply(std::make_shared<Checkpoint>(std::move(fn), gen, anchored), in);
+}
+
+Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& input, Generator* gen) {
+  QUILT_CHECK(static_cast<bool>(fn), "[checkpoint] got an empty function");
+  auto outs = checkpoint([f = std::move(fn)](const std::vector<Tensor>& in) { return std::vector<Tensor>{f(in[0])}; },
+                         {input}, gen);
+  return outs.at(0);
+}
+
+}  // namespace quilt

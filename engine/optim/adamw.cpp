@@ -1,0 +1,45 @@
+// AdamW: validates hyperparameters, computes bias corrections, calls the fused kernel.
+#include "engine/optim/adamw.h"
+
+#include <cmath>
+
+#include "kernels/cpu/optim.h"
+
+namespace quilt {
+namespace {
+
+AdamWOptions checked(AdamWOptions o) {
+  QUILT_CHECK(o.lr >= 0, "[adamw] lr must be >= 0, got ", o.lr);
+  QUILT_CHECK(o.beta1 >= 0 && o.beta1 < 1, "[adamw] beta1 must be in [0, 1), got ", o.beta1);
+  QUILT_CHECK(o.beta2 >= 0 && o.beta2 < 1, "[adamw] beta2 must be in [0, 1), got ", o.beta2);
+  QUILT_CHECK(o.eps >= 0, "[adamw] eps must be >= 0, got ", o.eps);
+  QUILT_CHECK(o.weight_decay >= 0, "[adamw] weight_decay must be >= 0, got ", o.weight_decay);
+  return o;
+}
+
+}  // namespace
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions opts)
+    : Optimizer("adamw", std::move(groups), checked(opts).lr, opts.weight_decay, {"exp_avg", "exp_avg_sq"}),
+      opts_(opts) {}
+
+AdamW::AdamW(std::vector<Tensor> params, AdamWOptions opts)
+    : AdamW(std::vector<ParamGroup>{ParamGroup{.params = std::move(params)}}, opts) {}
+
+void AdamW::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
+                   double wd) {
+  kernels::cpu::AdamWHyper h;
+  h.lr = lr;
+  h.beta1 = opts_.beta1;
+  h.beta2 = opts_.beta2;
+  h.eps = opts_.eps;
+  h.weight_decay = wd;
+  h.bias_correction1 = 1.0 - std::pow(opts_.beta1, double(step));
+  h.bias_correction2 = 1.0 - std::pow(opts_.beta2, double(step));
+  Tensor& m = buffers[0];
+  Tensor& v = buffers[1];
+  kernels::cpu::adamw(p.dtype(), grad.dtype(), m.dtype(), p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(),
+                      p.numel(), h);
+}
+
+}  // namespace quilt

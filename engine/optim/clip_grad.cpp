@@ -1,0 +1,70 @@
+// Gradient norm from ops; clipping scales gradients in place.
+#include "engine/optim/clip_grad.h"
+
+#include <cmath>
+#include <limits>
+
+#include "engine/autograd.h"
+#include "engine/ops/binary.h"
+#include "engine/ops/creation.h"
+#include "engine/ops/reduce.h"
+#include "engine/ops/unary.h"
+#include "engine/ops/view.h"
+
+namespace quilt {
+
+Tensor grad_norm(const std::vector<Tensor>& params, double norm_type) {
+  QUILT_CHECK(norm_type > 0, "[grad_norm] norm_type must be > 0, got ", norm_type);
+  NoGradGuard ng;
+  const bool inf = std::isinf(norm_type);
+  Tensor total;
+  Device dev = Device::cpu();
+  for (const Tensor& p : params) {
+    Tensor g = p.defined() ? p.grad() : Tensor();
+    if (!g.defined() || g.numel() == 0) continue;
+    dev = g.device();
+    // Reduce each tensor in f32 (bf16/f16 are widened first), then combine in f64.
+    Tensor x = g.dtype() == DType::f64 || g.dtype() == DType::f32 ? g : cast(g, DType::f32);
+    Tensor part;
+    if (inf) part = max(abs(x));
+    else if (norm_type == 2.0) part = sum_squares(x);
+    else if (norm_type == 1.0) part = sum(abs(x));
+    else part = sum(pow(abs(x), norm_type));
+    part = cast(part, DType::f64);
+    if (!total.defined()) total = part;
+    else total = inf ? maximum(total, part) : add(total, part);
+  }
+  if (!total.defined()) return zeros({}, {.dtype = DType::f64, .device = dev});
+  if (inf || norm_type == 1.0) return total;
+  if (norm_type == 2.0) return sqrt(total);
+  return pow(total, 1.0 / norm_type);
+}
+
+Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
+  QUILT_CHECK(max_norm >= 0, "[clip_grad_norm_] max_norm must be >= 0, got ", max_norm);
+  Tensor total = grad_norm(params, norm_type);
+  if (total.is_distributed()) {
+    // The norm lives on several ranks: scale by a tensor coefficient (1 when the norm is within
+    // bounds or not finite) so the reduction happens inside the ops, without a host read.
+    NoGradGuard ng;
+    Tensor finite = lt(abs(total), scalar_like(std::numeric_limits<double>::infinity(), total));
+    Tensor clip = logical_and(finite, gt(total, scalar_like(max_norm, total)));
+    Tensor coef = where(clip, max_norm / (total + 1e-6), ones_like(total));
+    for (const Tensor& p : params) {
+      Tensor g = p.defined() ? p.grad() : Tensor();
+      if (g.defined()) g.copy_(g * cast(coef, g.dtype()));
+    }
+    return total;
+  }
+  const double norm = total.item<double>();
+  if (!std::isfinite(norm) || norm <= max_norm) return total;
+  const double coef = max_norm / (norm + 1e-6);
+  NoGradGuard ng;
+  for (const Tensor& p : params) {
+    Tensor g = p.defined() ? p.grad() : Tensor();
+    if (g.defined()) g.mul_(coef);
+  }
+  return total;
+}
+
+}  // namespace quilt

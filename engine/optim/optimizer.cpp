@@ -1,0 +1,228 @@
+// Optimizer base: groups, keys, the step loop (checks, contiguity, lazy state), state dicts.
+#include "engine/optim/optimizer.h"
+
+#include <unordered_map>
+#include <unordered_set>
+
+#include "engine/autograd.h"
+#include "engine/ops/creation.h"
+#include "engine/ops/view.h"
+#include "engine/primitive.h"
+
+namespace quilt {
+namespace {
+
+std::string join_list(const std::vector<std::string>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
+  return s;
+}
+
+bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
+bool ends_with(const std::string& s, const std::string& p) {
+  return s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0;
+}
+
+}  // namespace
+
+Optimizer::Optimizer(const char* name, std::vector<ParamGroup> groups, double default_lr, double default_wd,
+                     std::vector<std::string> buffer_names)
+    : name_(name), buffer_names_(std::move(buffer_names)) {
+  QUILT_CHECK(!groups.empty(), "[", name_, "] needs at least one parameter group");
+  std::unordered_set<const TensorImpl*> seen;
+  std::unordered_set<std::string> names;
+  bool names_usable = true;
+  size_t index = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    Group gr;
+    gr.lr = groups[g].lr.value_or(default_lr);
+    gr.weight_decay = groups[g].weight_decay.value_or(default_wd);
+    QUILT_CHECK(gr.lr >= 0, "[", name_, "] group ", g, ": lr must be >= 0, got ", gr.lr);
+    QUILT_CHECK(gr.weight_decay >= 0, "[", name_, "] group ", g, ": weight_decay must be >= 0, got ", gr.weight_decay);
+    for (const Tensor& p : groups[g].params) {
+      QUILT_CHECK(p.defined(), "[", name_, "] group ", g, " holds an undefined tensor at position ", gr.params.size());
+      QUILT_CHECK(p.is_leaf(), "[", name_, "] parameter '", p.name(), "' is not a leaf tensor");
+      QUILT_CHECK(is_floating(p.dtype()), "[", name_, "] parameter '", p.name(), "' is ",
+                  dtype_name(p.dtype()), ", not floating");
+      QUILT_CHECK(seen.insert(p.unsafe_impl()).second, "[", name_, "] parameter '", p.name(), "' (index ", index,
+                  ") appears more than once");
+      names_usable = names_usable && !p.name().empty() && names.insert(p.name()).second;
+      gr.params.push_back(p);
+      ++index;
+    }
+    gr.state.resize(gr.params.size());
+    groups_.push_back(std::move(gr));
+  }
+  index = 0;
+  for (Group& gr : groups_)
+    for (const Tensor& p : gr.params) gr.keys.push_back(names_usable ? p.name() : std::to_string(index++));
+}
+
+const Optimizer::Group& Optimizer::group(size_t g) const {
+  QUILT_CHECK(g < groups_.size(), "[", name_, "] group ", g, " out of range (", groups_.size(), " groups)");
+  return groups_[g];
+}
+
+const std::vector<Tensor>& Optimizer::group_params(size_t g) const { return group(g).params; }
+double Optimizer::group_lr(size_t g) const { return group(g).lr; }
+double Optimizer::group_weight_decay(size_t g) const { return group(g).weight_decay; }
+void Optimizer::set_group_lr(size_t g, double lr) {
+  QUILT_CHECK(lr >= 0, "[", name_, "] lr must be >= 0, got ", lr);
+  const_cast<Group&>(group(g)).lr = lr;
+}
+void Optimizer::set_group_weight_decay(size_t g, double wd) {
+  QUILT_CHECK(wd >= 0, "[", name_, "] weight_decay must be >= 0, got ", wd);
+  const_cast<Group&>(group(g)).weight_decay = wd;
+}
+void Optimizer::set_lr(double lr) {
+  for (size_t g = 0; g < groups_.size(); ++g) set_group_lr(g, lr);
+}
+const std::string& Optimizer::param_key(size_t g, size_t i) const {
+  const Group& gr = group(g);
+  QUILT_CHECK(i < gr.keys.size(), "[", name_, "] group ", g, " has no parameter ", i);
+  return gr.keys[i];
+}
+
+Tensor Optimizer::new_buffer(const Tensor& param) const {
+  // State of a shard is a shard of the same layout, so a distributed checkpoint can place it.
+  const Tensor local = param.local();
+  Tensor b = zeros(local.shape(), {.dtype = state_dtype(param), .device = local.device()});
+  return param.is_distributed() ? Tensor::make_distributed(b, param.dist_spec(), param.shape()) : b;
+}
+
+void Optimizer::step() {
+  NoGradGuard ng;
+  ++step_count_;
+  for (Group& gr : groups_) {
+    for (size_t i = 0; i < gr.params.size(); ++i) {
+      const Tensor& p = gr.params[i];
+      const Tensor full_grad = p.grad();
+      if (!full_grad.defined()) continue;
+      QUILT_CHECK(full_grad.shape() == p.shape(), "[", name_, "] gradient of shape ", full_grad.shape(),
+                  " for parameter '", gr.keys[i], "' of shape ", p.shape());
+      QUILT_CHECK(same_layout(p, full_grad), "[", name_, "] the gradient of parameter '", gr.keys[i],
+                  "' is laid out differently from the parameter; redistribute it first");
+      // Updates touch only this rank's data: the shard of a distributed parameter.
+      Tensor param = p.local();
+      Tensor grad = full_grad.local();
+      require_cpu(name_, {param, grad});
+      QUILT_CHECK(param.is_contiguous(), "[", name_, "] parameter '", gr.keys[i], "' is not contiguous (shape ",
+                  param.shape(), ", strides ", param.strides(), ")");
+      if (!grad.is_contiguous()) grad = contiguous(grad);
+      if (grad.dtype() != param.dtype() && grad.dtype() != DType::f32) grad = cast(grad, param.dtype());
+      ParamState& st = gr.state[i];
+      if (st.buffers.empty())
+        for (size_t b = 0; b < buffer_names_.size(); ++b) st.buffers.push_back(new_buffer(p));
+      ++st.step;
+      std::vector<Tensor> local_buffers;
+      for (const Tensor& b : st.buffers) local_buffers.push_back(b.local());
+      update(param, grad, local_buffers, st.step, gr.lr, gr.weight_decay);
+    }
+  }
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  NoGradGuard ng;
+  for (Group& gr : groups_)
+    for (Tensor& p : gr.params) {
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      if (set_to_none) p.set_grad(Tensor());
+      else g.zero_();
+    }
+}
+
+OptimizerState Optimizer::state_dict() const {
+  OptimizerState s;
+  s.scalars.insert("step", double(step_count_));
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    s.scalars.insert("param_groups." + std::to_string(g) + ".lr", groups_[g].lr);
+    s.scalars.insert("param_groups." + std::to_string(g) + ".weight_decay", groups_[g].weight_decay);
+  }
+  for (const Group& gr : groups_)
+    for (size_t i = 0; i < gr.params.size(); ++i) {
+      const ParamState& st = gr.state[i];
+      if (st.step == 0) continue;
+      const std::string base = "state." + gr.keys[i] + ".";
+      s.scalars.insert(base + "step", double(st.step));
+      for (size_t b = 0; b < buffer_names_.size(); ++b) s.tensors.insert(base + buffer_names_[b], st.buffers[b].detach());
+    }
+  return s;
+}
+
+void Optimizer::load_state_dict(const OptimizerState& s) {
+  std::unordered_map<std::string, std::pair<size_t, size_t>> where;
+  for (size_t g = 0; g < groups_.size(); ++g)
+    for (size_t i = 0; i < groups_[g].keys.size(); ++i) where[groups_[g].keys[i]] = {g, i};
+
+  std::vector<std::string> unexpected, missing, problems;
+  std::unordered_set<std::string> stepped;  // param keys with a "state.<key>.step"
+  std::unordered_set<std::string> group_keys;
+  for (size_t g = 0; g < groups_.size(); ++g)
+    for (const char* f : {"lr", "weight_decay"}) group_keys.insert("param_groups." + std::to_string(g) + "." + f);
+  for (const auto& [key, v] : s.scalars) {
+    if (key == "step" || group_keys.count(key)) continue;
+    if (starts_with(key, "state.") && ends_with(key, ".step")) {
+      const std::string pk = key.substr(6, key.size() - 6 - 5);
+      if (where.count(pk)) { stepped.insert(pk); continue; }
+    }
+    unexpected.push_back(key);
+  }
+  if (!s.scalars.contains("step")) missing.push_back("step");
+  for (size_t g = 0; g < groups_.size(); ++g)
+    for (const char* f : {"lr", "weight_decay"}) {
+      const std::string key = "param_groups." + std::to_string(g) + "." + f;
+      if (!s.scalars.contains(key)) missing.push_back(key);
+    }
+  for (const auto& [key, t] : s.tensors) {
+    bool ok = false;
+    for (size_t b = 0; b < buffer_names_.size() && !ok; ++b) {
+      const std::string suffix = "." + buffer_names_[b];
+      if (!starts_with(key, "state.") || !ends_with(key, suffix)) continue;
+      const std::string pk = key.substr(6, key.size() - 6 - suffix.size());
+      auto it = where.find(pk);
+      if (it == where.end() || !stepped.count(pk)) continue;
+      ok = true;
+      const Tensor& p = groups_[it->second.first].params[it->second.second];
+      if (!t.defined() || t.shape() != p.shape())
+        problems.push_back(detail::concat("shape mismatch for ", key, ": state ", t.defined() ? t.shape() : Shape{},
+                                          " vs parameter ", p.shape()));
+    }
+    if (!ok) unexpected.push_back(key);
+  }
+  for (const Group& gr : groups_)  // in parameter order, so the message is stable
+    for (const std::string& pk : gr.keys)
+      for (const std::string& b : buffer_names_)
+        if (stepped.count(pk) && !s.tensors.contains("state." + pk + "." + b)) missing.push_back("state." + pk + "." + b);
+
+  std::vector<std::string> parts;
+  if (!missing.empty()) parts.push_back("missing keys: " + join_list(missing));
+  if (!unexpected.empty()) parts.push_back("unexpected keys: " + join_list(unexpected));
+  parts.insert(parts.end(), problems.begin(), problems.end());
+  if (!parts.empty()) {
+    std::string msg;
+    for (size_t i = 0; i < parts.size(); ++i) msg += (i ? "; " : "") + parts[i];
+    fail("[", name_, "] load_state_dict: ", msg);
+  }
+
+  NoGradGuard ng;
+  step_count_ = int64_t(s.scalars.at("step"));
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    Group& gr = groups_[g];
+    gr.lr = s.scalars.at("param_groups." + std::to_string(g) + ".lr");
+    gr.weight_decay = s.scalars.at("param_groups." + std::to_string(g) + ".weight_decay");
+    for (size_t i = 0; i < gr.params.size(); ++i) {
+      ParamState& st = gr.state[i];
+      st = ParamState{};
+      if (!stepped.count(gr.keys[i])) continue;
+      st.step = int64_t(s.scalars.at("state." + gr.keys[i] + ".step"));
+      for (const std::string& b : buffer_names_) {
+        Tensor buf = new_buffer(gr.params[i]);
+        buf.copy_(s.tensors.at("state." + gr.keys[i] + "." + b));
+        st.buffers.push_back(buf);
+      }
+    }
+  }
+}
+
+}  // namespace quilt

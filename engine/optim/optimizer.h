@@ -1,0 +1,107 @@
+// Optimizer: parameter groups (each with its own lr and weight decay), step(), zero_grad(),
+// and a state dict of named tensors and scalars that a checkpoint saves and restores exactly.
+// Updates run on each parameter's local data (data_ptr() and its .grad), so a distributed
+// parameter — a tensor whose storage is this rank's shard — needs nothing special.
+//
+//   AdamW opt({{.params = decay_params}, {.params = norm_params, .weight_decay = 0.0}},
+//             {.lr = 3e-4, .weight_decay = 0.1});
+//   loss.backward();  opt.step();  opt.zero_grad();
+//   OptimizerState s = opt.state_dict();   ...   opt.load_state_dict(s);
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/nn/module.h"
+#include "engine/tensor.h"
+
+namespace quilt {
+
+/// Parameters that share hyperparameters; unset values take the optimizer's defaults.
+struct ParamGroup {
+  std::vector<Tensor> params;
+  std::optional<double> lr = std::nullopt;
+  std::optional<double> weight_decay = std::nullopt;
+};
+
+/// What state_dict() returns and load_state_dict() takes. Keys:
+///   scalars  "step", "param_groups.<g>.lr", "param_groups.<g>.weight_decay",
+///            "state.<param key>.step"
+///   tensors  "state.<param key>.<buffer>"  (e.g. exp_avg, exp_avg_sq, momentum_buffer)
+/// A parameter's key is its Tensor::name() (the module's dotted name) when every parameter has
+/// a distinct non-empty name, else its position over all groups ("0", "1", ...).
+struct OptimizerState {
+  OrderedDict<Tensor> tensors;
+  OrderedDict<double> scalars;
+};
+
+/// Base of AdamW and SGD: owns groups, per-parameter state and the step count.
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// Updates every parameter that has a gradient (others, and their state, are left alone).
+  void step();
+  /// Drops every parameter's .grad (or zero-fills it when !set_to_none).
+  void zero_grad(bool set_to_none = true);
+
+  /// Steps taken so far (by step() or restored by load_state_dict()).
+  int64_t step_count() const { return step_count_; }
+  size_t num_groups() const { return groups_.size(); }
+  const std::vector<Tensor>& group_params(size_t g) const;
+  double group_lr(size_t g) const;
+  void set_group_lr(size_t g, double lr);
+  double group_weight_decay(size_t g) const;
+  void set_group_weight_decay(size_t g, double wd);
+  /// Sets the lr of every group (what an LR schedule does each step).
+  void set_lr(double lr);
+  /// The state-dict key of parameter `i` of group `g`.
+  const std::string& param_key(size_t g, size_t i) const;
+  /// Named state, sharing storage with the optimizer's buffers (save it before the next step).
+  OptimizerState state_dict() const;
+  /// Restores state from state_dict() output. Throws one error naming every unknown key,
+  /// missing buffer and shape mismatch; nothing changes then. Parameters absent from the
+  /// dict start fresh.
+  void load_state_dict(const OptimizerState& state);
+  /// "adamw", "sgd": names the optimizer in errors.
+  const char* name() const { return name_; }
+
+ protected:
+  /// Buffers of one parameter, in buffer_names order, plus its own step count.
+  struct ParamState {
+    int64_t step = 0;
+    std::vector<Tensor> buffers;
+  };
+  /// `buffer_names`: the per-parameter state tensors this optimizer keeps (zeros at start).
+  Optimizer(const char* name, std::vector<ParamGroup> groups, double default_lr, double default_weight_decay,
+            std::vector<std::string> buffer_names);
+  /// Applies one update to local data: `param` is contiguous (the shard of a distributed
+  /// parameter), `grad` contiguous with its shape and device, of its dtype or f32; `buffers`
+  /// are the matching local state buffers (state_dtype); `step` counts this update (1 first).
+  virtual void update(Tensor& param, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
+                      double weight_decay) = 0;
+  /// Dtype of state buffers for `param`: f64 for f64 parameters, f32 otherwise (also for bf16).
+  static DType state_dtype(const Tensor& param) { return param.dtype() == DType::f64 ? DType::f64 : DType::f32; }
+
+ private:
+  struct Group {
+    std::vector<Tensor> params;
+    std::vector<std::string> keys;
+    std::vector<ParamState> state;
+    double lr = 0;
+    double weight_decay = 0;
+  };
+  const Group& group(size_t g) const;
+  Tensor new_buffer(const Tensor& param) const;
+
+  const char* name_;
+  std::vector<Group> groups_;
+  std::vector<std::string> buffer_names_;
+  int64_t step_count_ = 0;
+};
+
+}  // namespace quilt

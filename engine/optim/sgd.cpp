@@ -1,0 +1,46 @@
+// SGD: validates hyperparameters and calls the fused kernel.
+#include "engine/optim/sgd.h"
+
+#include "kernels/cpu/optim.h"
+
+namespace quilt {
+namespace {
+
+SGDOptions checked(SGDOptions o) {
+  QUILT_CHECK(o.lr >= 0, "[sgd] lr must be >= 0, got ", o.lr);
+  QUILT_CHECK(o.momentum >= 0, "[sgd] momentum must be >= 0, got ", o.momentum);
+  QUILT_CHECK(o.weight_decay >= 0, "[sgd] weight_decay must be >= 0, got ", o.weight_decay);
+  QUILT_CHECK(!o.nesterov || (o.momentum > 0 && o.dampening == 0),
+              "[sgd] nesterov needs momentum > 0 and dampening 0, got momentum ", o.momentum, ", dampening ",
+              o.dampening);
+  return o;
+}
+
+std::vector<std::string> buffers_for(const SGDOptions& o) {
+  if (o.momentum > 0) return {"momentum_buffer"};
+  return {};
+}
+
+}  // namespace
+
+SGD::SGD(std::vector<ParamGroup> groups, SGDOptions opts)
+    : Optimizer("sgd", std::move(groups), checked(opts).lr, opts.weight_decay, buffers_for(opts)), opts_(opts) {}
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions opts)
+    : SGD(std::vector<ParamGroup>{ParamGroup{.params = std::move(params)}}, opts) {}
+
+void SGD::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
+                 double wd) {
+  kernels::cpu::SgdHyper h;
+  h.lr = lr;
+  h.momentum = opts_.momentum;
+  h.dampening = opts_.dampening;
+  h.weight_decay = wd;
+  h.nesterov = opts_.nesterov;
+  h.first = step == 1;
+  void* buf = buffers.empty() ? nullptr : buffers[0].data_ptr();
+  const DType sdt = buffers.empty() ? state_dtype(p) : buffers[0].dtype();
+  kernels::cpu::sgd(p.dtype(), grad.dtype(), sdt, p.data_ptr(), grad.data_ptr(), buf, p.numel(), h);
+}
+
+}  // namespace quilt

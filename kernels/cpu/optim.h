@@ -1,0 +1,43 @@
+// CPU optimizer kernels: one fused pass over memory per tensor, on raw pointers (OpenMP across
+// chunks, vectorised inside). Arithmetic is in float, or double when the state is f64.
+//
+//   kernels::cpu::adamw(DType::bf16, DType::bf16, DType::f32, p, g, m, v, n, hyper);
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace quilt::kernels::cpu {
+
+/// One AdamW step (decoupled weight decay), with bias corrections precomputed by the caller:
+///   p <- p * (1 - lr * weight_decay)
+///   m <- beta1 * m + (1 - beta1) * g
+///   v <- beta2 * v + (1 - beta2) * g^2
+///   p <- p - (lr / bias_correction1) * m / (sqrt(v) / sqrt(bias_correction2) + eps)
+struct AdamWHyper {
+  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  double bias_correction1 = 1, bias_correction2 = 1;  // 1 - beta^t
+};
+
+/// AdamW over n contiguous elements. param: param_dt (f32/bf16/f16/f64); grad: param_dt or f32;
+/// m, v: state_dt (f32, or f64 with f64 params), updated in place.
+void adamw(DType param_dt, DType grad_dt, DType state_dt, void* param, const void* grad, void* m, void* v,
+           int64_t n, const AdamWHyper& h);
+
+/// One SGD step, as torch.optim.SGD defines it:
+///   d <- g + weight_decay * p
+///   with momentum: buf <- first ? d : momentum * buf + (1 - dampening) * d
+///                  d <- nesterov ? d + momentum * buf : buf
+///   p <- p - lr * d
+struct SgdHyper {
+  double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false;
+  bool first = false;  // the momentum buffer is uninitialised: take d as is
+};
+
+/// SGD over n contiguous elements; `buf` (state_dt) is null when momentum == 0.
+void sgd(DType param_dt, DType grad_dt, DType state_dt, void* param, const void* grad, void* buf, int64_t n,
+         const SgdHyper& h);
+
+}  // namespace quilt::kernels::cpu
