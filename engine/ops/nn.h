@@ -1,6 +1,17 @@
-// Neural-network ops: softmax family, losses, embedding, norms, rotary embedding,
+// Neural-network ops: softmax family, cross entropy, embedding, norms, rotary embedding,
 // attention, swiglu, dropout.
 //
+// softmax, log_softmax, cross_entropy, rms_norm, layer_norm and embedding are primitives with
+// fused CPU kernels (kernels/cpu/nn.h); softmax and cross_entropy also run on CUDA. bf16/f16
+// inputs are computed in f32 inside the kernels and rounded once. rotary_embedding,
+// scaled_dot_product_attention, swiglu and the CUDA path of dropout are composites of other ops,
+// so they run wherever those ops do. Ops without a CUDA kernel throw
+// "[op] has no CUDA implementation in this build" for CUDA tensors. The backward of
+// softmax, log_softmax, cross_entropy, embedding and dropout is itself differentiable in the
+// incoming gradient; that of the norms is not (it throws "[rms_norm_backward] is not differentiable").
+//
+//   Tensor h = rms_norm(embedding(wte, tokens), norm_w);           // (B, T, D)
+//   Tensor a = scaled_dot_product_attention(q, k, v, {}, /*causal=*/true);
 //   Tensor loss = cross_entropy(logits.view({-1, V}), targets.view({-1}));
 #pragma once
 
@@ -11,34 +22,51 @@
 
 namespace quilt {
 
+/// exp(x) / sum(exp(x)) along `dim` (max-subtracted). A row of all -inf gives NaN, as in PyTorch.
 Tensor softmax(const Tensor& x, int64_t dim = -1);
+/// x - logsumexp(x) along `dim` (max-subtracted).
 Tensor log_softmax(const Tensor& x, int64_t dim = -1);
 
 enum class Reduction { mean, sum, none };
-/// Cross entropy of logits (N, C) against class indices (N) (i32/i64). Targets equal to
-/// `ignore_index` contribute nothing; `mean` divides by the number of counted targets.
+/// Cross entropy of logits (*, C) against class indices (*) (i32/i64); usually (N, C) and (N).
+/// Targets equal to `ignore_index` contribute 0 and no gradient. `mean` divides the sum by the
+/// number of counted targets; when there are none (all ignored, or no rows) the mean is NaN, as
+/// in PyTorch. `none` returns the per-target losses (shape *). Losses are computed and reduced
+/// in f32 (f64 for f64 logits); the result has the logits' dtype. Throws naming the first
+/// target outside [0, C) that is not ignore_index.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      Reduction reduction = Reduction::mean);
-/// Rows of `weight` (V, D) picked by integer `indices` (any shape) -> indices.shape + (D).
+/// Rows of `weight` (V, D) picked by integer `indices` (any shape, i32/i64) -> indices.shape + (D).
+/// Throws naming the first index outside [0, V). The weight gradient sums duplicates deterministically.
 Tensor embedding(const Tensor& weight, const Tensor& indices);
-/// x / sqrt(mean(x^2, -1) + eps) * weight (weight over the last dim; may be undefined).
+/// x / sqrt(mean(x^2, -1) + eps) * weight (weight (D) over the last dim; may be undefined).
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
-/// (x - mean) / sqrt(var + eps) * weight + bias over the last dim (weight/bias may be undefined).
+/// (x - mean) / sqrt(var + eps) * weight + bias over the last dim, biased variance
+/// (weight/bias (D) may be undefined).
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
-/// Rotary embedding of x (B, H, T, D) with cos/sin tables (T, D/2), rotating pairs
-/// (x[..., i], x[..., i + D/2]) as HF Llama's rotate_half does.
+/// Rotary embedding of x (..., T, D) with cos/sin tables broadcastable to (..., T, D/2) — usually
+/// x (B, H, T, D) and tables (T, D/2) — rotating pairs (x[..., i], x[..., i + D/2]) as HF Llama's
+/// rotate_half does. The tables are cast to x's dtype.
 Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin);
-/// Scaled dot-product attention. q (B, Hq, T, D), k/v (B, Hkv, S, D) with Hq a multiple of Hkv
-/// (grouped-query heads); `mask` (broadcastable to (B, Hq, T, S), bool: true = attend) optional;
-/// `causal` masks keys after the query position (aligned at the end when S > T).
+/// Scaled dot-product attention. q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) with Hq a
+/// multiple of Hkv (grouped-query heads: query head h reads kv head h / (Hq / Hkv); k and v are
+/// never copied per query head). `mask` (bool, broadcastable to (B, Hq, T, S), true = attend)
+/// optional; `causal` lets query i see keys j <= i + (S - T) (aligned at the end when S != T).
+/// `scale` defaults to 1/sqrt(D). A query that may attend no key gets zeros (and zero gradients),
+/// not NaN. Returns (B, Hq, T, Dv).
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& mask = {}, bool causal = false,
                                     std::optional<double> scale = std::nullopt);
-/// silu(gate) * up.
+/// silu(gate) * up (broadcasting).
 Tensor swiglu(const Tensor& gate, const Tensor& up);
-/// Zeroes each element with probability p and scales the rest by 1/(1-p); identity if !train.
+/// Zeroes each element with probability p and scales the rest by 1/(1-p); identity if !train
+/// or p == 0. Element i (row-major index) is kept iff its Philox draw for (key.seed, key.key, i)
+/// exceeds p, so the mask depends only on (seed, key, index) — see dropout_mask().
+/// The gradient reuses the same mask.
 Tensor dropout(const Tensor& x, double p, RngKey key, bool train = true);
 /// dropout() with a key drawn from `gen` (so checkpointed recomputation can replay it).
 Tensor dropout(const Tensor& x, double p, Generator& gen, bool train = true);
+/// The keep-mask (bool, true = kept) that dropout(x, p, key) applies to a tensor of `shape`.
+Tensor dropout_mask(const Shape& shape, double p, RngKey key, Device device = Device::cpu());
 
 }  // namespace quilt

@@ -1,0 +1,128 @@
+// Rotary embedding and scaled dot-product attention, both composites of other ops (matmul,
+// softmax, where, views), so they need no backward of their own and run on every device those
+// ops run on. A fused (flash) attention kernel would become a primitive beside these.
+#include <cmath>
+#include <limits>
+
+#include "engine/ops/binary.h"
+#include "engine/ops/creation.h"
+#include "engine/ops/matmul.h"
+#include "engine/ops/nn.h"
+#include "engine/ops/reduce.h"
+#include "engine/ops/unary.h"
+#include "engine/ops/view.h"
+#include "engine/primitive.h"
+
+namespace quilt {
+namespace {
+
+// True when `s` broadcasts to exactly `target` (NumPy rules, never growing target).
+bool broadcasts_to(const Shape& s, const Shape& target) {
+  if (s.size() > target.size()) return false;
+  const size_t lead = target.size() - s.size();
+  for (size_t i = 0; i < s.size(); ++i)
+    if (s[i] != 1 && s[i] != target[lead + i]) return false;
+  return true;
+}
+
+// (T, S) bool: query i may see key j iff j <= i + (S - T), so the last query sees every key.
+Tensor causal_mask(int64_t t, int64_t s, Device device) {
+  const Tensor i = reshape(arange(0, double(t), 1, {.dtype = DType::i64, .device = device}), {t, 1});
+  const Tensor j = reshape(arange(0, double(s), 1, {.dtype = DType::i64, .device = device}), {1, s});
+  return le(j, i + double(s - t));
+}
+
+}  // namespace
+
+Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  QUILT_CHECK(x.defined() && cos.defined() && sin.defined(), "[rotary_embedding] got an undefined tensor");
+  QUILT_CHECK(is_floating(x.dtype()) && is_floating(cos.dtype()) && is_floating(sin.dtype()),
+              "[rotary_embedding] needs floating tensors, got x ", dtype_name(x.dtype()), ", cos ",
+              dtype_name(cos.dtype()), ", sin ", dtype_name(sin.dtype()));
+  QUILT_CHECK(x.dim() >= 2, "[rotary_embedding] x must be (..., T, D), got shape ", x.shape());
+  const int64_t d = x.size(-1);
+  QUILT_CHECK(d % 2 == 0, "[rotary_embedding] the last dim of x must be even, got shape ", x.shape());
+  QUILT_CHECK(cos.shape() == sin.shape(), "[rotary_embedding] cos ", cos.shape(), " and sin ", sin.shape(),
+              " differ in shape");
+  Shape half = x.shape();
+  half.back() = d / 2;
+  QUILT_CHECK(cos.dim() >= 1 && broadcasts_to(cos.shape(), half) && cos.size(-1) == d / 2,
+              "[rotary_embedding] tables of shape ", cos.shape(), " do not broadcast to ", half, " (x of shape ",
+              x.shape(), ")");
+  (void)common_device("rotary_embedding", {x, cos, sin});
+  // x viewed as (..., T, 2, D/2): row 0 holds x1 = x[..., :D/2], row 1 holds x2. Then
+  // out = x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1) built by a where
+  // over the size-2 dim, so no cat (and no copy of x beyond the arithmetic) is needed.
+  const Tensor c = unsqueeze(cast(cos, x.dtype()), -2);  // (..., T, 1, D/2)
+  const Tensor s = unsqueeze(cast(sin, x.dtype()), -2);
+  Shape pairs(x.shape().begin(), x.shape().end() - 1);
+  pairs.push_back(2);
+  pairs.push_back(d / 2);
+  const Tensor xs = reshape(x, pairs);
+  const Tensor first = from_vector({1, 0}, {2, 1}, {.dtype = DType::b8, .device = x.device()});
+  const Tensor rot = where(first, neg(narrow(xs, -2, 1, 1)), narrow(xs, -2, 0, 1));
+  return reshape(xs * c + rot * s, x.shape());
+}
+
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal,
+                                    std::optional<double> scale) {
+  QUILT_CHECK(q.defined() && k.defined() && v.defined(), "[scaled_dot_product_attention] got an undefined tensor");
+  QUILT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "[scaled_dot_product_attention] q, k, v must be (B, H, T, D), got ", q.shape(), ", ", k.shape(), ", ",
+              v.shape());
+  QUILT_CHECK(is_floating(q.dtype()) && q.dtype() == k.dtype() && q.dtype() == v.dtype(),
+              "[scaled_dot_product_attention] q, k, v must share one floating dtype, got ", dtype_name(q.dtype()),
+              ", ", dtype_name(k.dtype()), ", ", dtype_name(v.dtype()));
+  const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3);
+  const int64_t hkv = k.size(1), s = k.size(2), dv = v.size(3);
+  QUILT_CHECK(k.size(0) == b && v.size(0) == b, "[scaled_dot_product_attention] batch sizes differ: q ", q.shape(),
+              ", k ", k.shape(), ", v ", v.shape());
+  QUILT_CHECK(k.size(3) == d, "[scaled_dot_product_attention] q and k head dims differ: q ", q.shape(), ", k ",
+              k.shape());
+  QUILT_CHECK(v.size(1) == hkv && v.size(2) == s, "[scaled_dot_product_attention] k ", k.shape(), " and v ",
+              v.shape(), " differ in heads or length");
+  QUILT_CHECK(hkv > 0 && hq % hkv == 0, "[scaled_dot_product_attention] query heads (", hq,
+              ") must be a multiple of key/value heads (", hkv, ")");
+  const Shape full{b, hq, t, s};
+  if (mask.defined()) {
+    QUILT_CHECK(mask.dtype() == DType::b8, "[scaled_dot_product_attention] mask must be bool (true = attend), got ",
+                dtype_name(mask.dtype()));
+    QUILT_CHECK(broadcasts_to(mask.shape(), full), "[scaled_dot_product_attention] mask of shape ", mask.shape(),
+                " does not broadcast to (B, Hq, T, S) = ", full);
+  }
+  const Device dev = common_device("scaled_dot_product_attention", {q, k, v, mask});
+  const double sc = scale.value_or(d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0);
+  const int64_t g = hq / hkv;
+
+  // Grouped heads: q as (B, Hkv, G, T, D) against k as (B, Hkv, 1, D, S); matmul broadcasts
+  // the kv head over its G query heads, so k and v are never copied per query head.
+  const Tensor qg = reshape(sc == 1.0 ? q : q * sc, {b, hkv, g, t, d});
+  Tensor scores = reshape(matmul(qg, unsqueeze(transpose(k, -1, -2), 2)), full);
+
+  Tensor allowed = mask;
+  if (causal) {
+    const Tensor cm = causal_mask(t, s, dev);
+    allowed = allowed.defined() ? logical_and(allowed, cm) : cm;
+  }
+  Tensor p;
+  if (!allowed.defined()) {
+    p = softmax(scores, -1);
+  } else {
+    scores = where(allowed, scores, scalar_like(-std::numeric_limits<double>::infinity(), scores));
+    // Without a user mask, causal rows are empty only when S < T (query i < T - S sees nothing).
+    if (mask.defined() || s < t) {
+      // A row that sees no key would be softmax(-inf, ...) = NaN: give it finite scores, then zero
+      // its probabilities, so its output and every gradient through it are 0.
+      const Tensor seen = sum(cast(allowed, DType::i32), {-1}, true);  // keys each query may see
+      const Tensor any = gt(seen, scalar_like(0, seen));
+      const Tensor zero = zeros({}, {.dtype = scores.dtype(), .device = dev});
+      p = where(any, softmax(where(any, scores, zero), -1), zero);
+    } else {
+      p = softmax(scores, -1);
+    }
+  }
+  const Tensor out = matmul(reshape(p, {b, hkv, g, t, s}), unsqueeze(v, 2));  // (B, Hkv, G, T, Dv)
+  return reshape(out, {b, hq, t, dv});
+}
+
+}  // namespace quilt

@@ -1,0 +1,575 @@
+// Softmax family, cross entropy, norms, embedding, swiglu and dropout. The fused ones are
+// primitives whose backward calls a fused backward primitive (SoftmaxBackward, ...), so every
+// gradient is still an op. Kernels: kernels/cpu/nn.h; CUDA for softmax and cross entropy.
+// rotary_embedding and scaled_dot_product_attention live in attention.cpp.
+#include "engine/ops/nn.h"
+
+#include <cmath>
+
+#include "engine/autograd.h"
+#include "engine/ops/binary.h"
+#include "engine/ops/creation.h"
+#include "engine/ops/dispatch.h"
+#include "engine/ops/reduce.h"
+#include "engine/ops/unary.h"
+#include "engine/ops/view.h"
+#include "engine/primitive.h"
+#include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/nn.h"
+#include "kernels/cuda/kernels.h"
+
+namespace quilt {
+namespace {
+
+using kernels::cpu::stat_dtype;
+
+// ---- shared helpers ----
+
+// x with `dim` moved last and rows made contiguous (copies only when needed). The kernels
+// work on contiguous rows; a reduction over another dim pays one transpose copy.
+Tensor rows_last(const Tensor& x, int64_t dim) {
+  Tensor t = x.dim() == 0 || dim == x.dim() - 1 ? x : transpose(x, dim, -1);
+  return contiguous(t);
+}
+// Undoes rows_last's transpose (a view).
+Tensor from_rows_last(const Tensor& y, int64_t dim) {
+  return y.dim() == 0 || dim == y.dim() - 1 ? y : transpose(y, dim, -1);
+}
+int64_t row_len(const Tensor& t) { return t.dim() == 0 ? 1 : t.size(-1); }
+Shape lead_shape(const Tensor& t) { return Shape(t.shape().begin(), t.shape().end() - 1); }
+
+void* stream_of(const Tensor& t) { return ops::stream_handle(t.device()); }
+
+bool is_index_dtype(DType d) { return d == DType::i32 || d == DType::i64; }
+
+// Calls f(p, n) with the values of an integer tensor on the host (a copy for CUDA tensors).
+template <class F>
+void scan_indices(const Tensor& idx, F&& f) {
+  Tensor t = contiguous(idx.device().is_cpu() ? idx : idx.to(Device::cpu()));
+  if (t.dtype() == DType::i32) f(t.data<int32_t>(), t.numel());
+  else f(t.data<int64_t>(), t.numel());
+}
+
+// ---- softmax / log_softmax ----
+
+Tensor softmax_backward_op(const Tensor& g, const Tensor& y, int64_t dim, bool log);
+
+class Softmax final : public Primitive {
+ public:
+  Softmax(int64_t dim, bool log) : dim_(dim), log_(log) {}
+  const char* name() const override { return log_ ? "log_softmax" : "softmax"; }
+  Attrs attrs() const override { return {{"dim", dim_}, {"log", log_}}; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor x = rows_last(in[0].detach(), dim_);
+    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+    const int64_t cols = row_len(x), rows = cols ? x.numel() / cols : 0;
+    if (rows > 0) {
+      if (x.device().is_cpu())
+        kernels::cpu::softmax_forward(x.dtype(), y.data_ptr(), x.data_ptr(), rows, cols, log_);
+      else
+        kernels::cuda::softmax_forward(x.dtype(), y.data_ptr(), x.data_ptr(), rows, cols, log_, stream_of(x));
+    }
+    return {from_rows_last(y, dim_)};
+  }
+  void save(const std::vector<Tensor>&, const std::vector<Tensor>& out) override { saved_ = {out[0].detach()}; }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    return {softmax_backward_op(ctx.grads[0], saved_[0], dim_, log_)};
+  }
+
+ private:
+  int64_t dim_;
+  bool log_;
+};
+
+// (g, y) -> gradient of (log-)softmax at output y.
+class SoftmaxBackward final : public Primitive {
+ public:
+  SoftmaxBackward(int64_t dim, bool log) : dim_(dim), log_(log) {}
+  const char* name() const override { return log_ ? "log_softmax_backward" : "softmax_backward"; }
+  Attrs attrs() const override { return {{"dim", dim_}, {"log", log_}}; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor g = rows_last(in[0].detach(), dim_);
+    const Tensor y = rows_last(in[1].detach(), dim_);
+    Tensor gx = Tensor::empty(y.shape(), {.dtype = y.dtype(), .device = y.device()});
+    const int64_t cols = row_len(y), rows = cols ? y.numel() / cols : 0;
+    if (rows > 0) {
+      if (y.device().is_cpu())
+        kernels::cpu::softmax_backward(y.dtype(), gx.data_ptr(), g.data_ptr(), y.data_ptr(), rows, cols, log_);
+      else
+        kernels::cuda::softmax_backward(y.dtype(), gx.data_ptr(), g.data_ptr(), y.data_ptr(), rows, cols, log_,
+                                        stream_of(y));
+    }
+    return {from_rows_last(gx, dim_)};
+  }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
+  // Linear in g, so its gradient w.r.t. g is the same map's adjoint. y is always a saved
+  // (detached) output, so no gradient w.r.t. y is ever asked for.
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    const Tensor& h = ctx.grads[0];
+    const Tensor& y = saved_[0];
+    if (log_) return {h - sum(h * exp(y), {dim_}, true), Tensor()};
+    return {softmax_backward_op(h, y, dim_, false), Tensor()};
+  }
+
+ private:
+  int64_t dim_;
+  bool log_;
+};
+
+Tensor softmax_backward_op(const Tensor& g, const Tensor& y, int64_t dim, bool log) {
+  const Tensor gg = g.dtype() == y.dtype() ? g : cast(g, y.dtype());
+  return apply1(std::make_shared<SoftmaxBackward>(dim, log), {gg, y});
+}
+
+Tensor softmax_impl(const Tensor& x, int64_t dim, bool log) {
+  const char* op = log ? "log_softmax" : "softmax";
+  QUILT_CHECK(x.defined(), "[", op, "] got an undefined tensor");
+  QUILT_CHECK(is_floating(x.dtype()), "[", op, "] needs a floating tensor, got ", dtype_name(x.dtype()));
+  return apply1(std::make_shared<Softmax>(wrap_dim(dim, x.dim(), op), log), {x});
+}
+
+// ---- cross entropy ----
+
+void check_targets(const Tensor& target, int64_t classes, int64_t ignore) {
+  scan_indices(target, [&](const auto* p, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = int64_t(p[i]);
+      if (t != ignore && (t < 0 || t >= classes))
+        fail("[cross_entropy] target ", t, " at row ", i, " is out of range for ", classes,
+             " classes (valid: 0 to ", classes - 1, ", or ignore_index ", ignore, ")");
+    }
+  });
+}
+
+Tensor cross_entropy_backward_op(const Tensor& g, const Tensor& logits, const Tensor& target, int64_t ignore);
+
+// (logits (N, C), target (N)) -> per-row loss (N) in f32 (f64 for f64 logits on the CPU).
+class CrossEntropy final : public Primitive {
+ public:
+  explicit CrossEntropy(int64_t ignore) : ignore_(ignore) {}
+  const char* name() const override { return "cross_entropy"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor x = contiguous(in[0].detach());
+    const Tensor t = contiguous(in[1].detach());
+    const int64_t n = x.size(0), c = x.size(1);
+    // Checked on the host: for CUDA targets this copies N indices back (one sync per call).
+    check_targets(t, c, ignore_);
+    if (x.device().is_cpu()) {
+      Tensor loss = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
+      kernels::cpu::cross_entropy_forward(x.dtype(), loss.data_ptr(), x.data_ptr(), t.dtype(), t.data_ptr(), n, c,
+                                          ignore_);
+      return {loss};
+    }
+    Tensor loss = Tensor::empty({n}, {.dtype = DType::f32, .device = x.device()});
+    const Tensor t64 = contiguous(cast(t, DType::i64));
+    if (n > 0 && c == 0) loss.zero_();  // every target was checked to be ignored
+    else if (n > 0)
+      kernels::cuda::cross_entropy_forward(x.dtype(), loss.data<float>(), x.data_ptr(), t64.data<int64_t>(), n, c,
+                                           ignore_, stream_of(x));
+    return {loss};
+  }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
+    saved_ = {in[0].detach(), in[1].detach()};
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    return {cross_entropy_backward_op(ctx.grads[0], saved_[0], saved_[1], ignore_), Tensor()};
+  }
+
+ private:
+  int64_t ignore_;
+};
+
+// (g (N), logits (N, C), target (N)) -> g[r] * (softmax(logits[r]) - onehot(target[r])).
+class CrossEntropyBackward final : public Primitive {
+ public:
+  explicit CrossEntropyBackward(int64_t ignore) : ignore_(ignore) {}
+  const char* name() const override { return "cross_entropy_backward"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor x = contiguous(in[1].detach());
+    const Tensor t = contiguous(in[2].detach());
+    const int64_t n = x.size(0), c = x.size(1);
+    Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+    if (x.device().is_cpu()) {
+      const Tensor g = contiguous(cast(in[0].detach(), stat_dtype(x.dtype())));
+      kernels::cpu::cross_entropy_backward(x.dtype(), gx.data_ptr(), x.data_ptr(), t.dtype(), t.data_ptr(),
+                                           g.data_ptr(), n, c, ignore_);
+    } else if (n > 0 && c > 0) {
+      const Tensor g = contiguous(cast(in[0].detach(), DType::f32));
+      const Tensor t64 = contiguous(cast(t, DType::i64));
+      kernels::cuda::cross_entropy_backward(x.dtype(), gx.data_ptr(), x.data_ptr(), t64.data<int64_t>(),
+                                            g.data<float>(), n, c, ignore_, stream_of(x));
+    }
+    return {gx};
+  }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
+    saved_ = {in[1].detach(), in[2].detach()};
+  }
+  // Linear in g: d/dg[r] = sum_c h[r, c] * (softmax(x[r])[c] - onehot[r, c]), 0 where ignored.
+  // The logits are always a saved (detached) tensor, so no gradient w.r.t. them is asked for.
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    const Tensor& h = ctx.grads[0];
+    const Tensor& x = saved_[0];
+    const Tensor& t = saved_[1];
+    const Tensor classes = arange(0, double(x.size(1)), 1, {.dtype = t.dtype(), .device = x.device()});
+    const Tensor onehot = cast(eq(classes, unsqueeze(t, 1)), h.dtype());
+    const Tensor counted = cast(ne(t, scalar_like(double(ignore_), t)), h.dtype());
+    return {sum(h * (softmax(x, -1) - onehot), {1}) * counted, Tensor(), Tensor()};
+  }
+
+ private:
+  int64_t ignore_;
+};
+
+Tensor cross_entropy_backward_op(const Tensor& g, const Tensor& logits, const Tensor& target, int64_t ignore) {
+  return apply1(std::make_shared<CrossEntropyBackward>(ignore), {g, logits, target});
+}
+
+// ---- RMS norm ----
+
+class RmsNormBackward;
+
+// (x, [weight]) -> (y, rstd); rstd (rows) is kept for backward and carries no gradient.
+class RmsNorm final : public Primitive {
+ public:
+  RmsNorm(double eps, bool has_weight) : eps_(eps), has_w_(has_weight) {}
+  const char* name() const override { return "rms_norm"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor x = contiguous(in[0].detach());
+    const Tensor w = has_w_ ? contiguous(in[1].detach()) : Tensor();
+    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
+    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype()});
+    Tensor rstd = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype())});
+    kernels::cpu::rms_norm_forward(x.dtype(), y.data_ptr(), rstd.data_ptr(), x.data_ptr(),
+                                   has_w_ ? w.data_ptr() : nullptr, rows, cols, eps_);
+    return {y, rstd};
+  }
+  bool differentiable_output(size_t i, const Tensor&) const override { return i == 0; }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
+    saved_ = {in[0].detach(), has_w_ ? in[1].detach() : Tensor(), out[1].detach()};
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override;
+
+ private:
+  double eps_;
+  bool has_w_;
+};
+
+// (g, x, [weight], rstd) -> (grad_x, [grad_weight]). Not differentiable itself.
+class RmsNormBackward final : public Primitive {
+ public:
+  RmsNormBackward(bool has_weight, bool want_gw) : has_w_(has_weight), want_gw_(want_gw) {}
+  const char* name() const override { return "rms_norm_backward"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor g = contiguous(in[0].detach());
+    const Tensor x = contiguous(in[1].detach());
+    const Tensor w = has_w_ ? contiguous(in[2].detach()) : Tensor();
+    const Tensor rstd = contiguous(in[has_w_ ? 3 : 2].detach());
+    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
+    Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype()});
+    Tensor gw = want_gw_ ? Tensor::empty({cols}, {.dtype = x.dtype()}) : Tensor();
+    kernels::cpu::rms_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr, g.data_ptr(),
+                                    x.data_ptr(), has_w_ ? w.data_ptr() : nullptr, rstd.data_ptr(), rows, cols);
+    if (want_gw_) return {gx, gw};
+    return {gx};
+  }
+
+ private:
+  bool has_w_, want_gw_;
+};
+
+std::vector<Tensor> RmsNorm::backward(const BackwardContext& ctx) {
+  const Tensor& x = saved_[0];
+  const Tensor g = ctx.grads[0].dtype() == x.dtype() ? ctx.grads[0] : cast(ctx.grads[0], x.dtype());
+  const bool want_gw = has_w_ && ctx.needs[1];
+  std::vector<Tensor> in{g, x};
+  if (has_w_) in.push_back(saved_[1]);
+  in.push_back(saved_[2]);
+  std::vector<Tensor> out = quilt::apply(std::make_shared<RmsNormBackward>(has_w_, want_gw), in);
+  if (!has_w_) return {out[0]};
+  return {out[0], want_gw ? out[1] : Tensor()};
+}
+
+// ---- layer norm ----
+
+// (x, [weight], [bias]) -> (y, mean, rstd); the statistics carry no gradient.
+class LayerNorm final : public Primitive {
+ public:
+  LayerNorm(double eps, bool has_w, bool has_b) : eps_(eps), has_w_(has_w), has_b_(has_b) {}
+  const char* name() const override { return "layer_norm"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor x = contiguous(in[0].detach());
+    const Tensor w = has_w_ ? contiguous(in[1].detach()) : Tensor();
+    const Tensor b = has_b_ ? contiguous(in[has_w_ ? 2 : 1].detach()) : Tensor();
+    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
+    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype()});
+    Tensor mean = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype())});
+    Tensor rstd = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype())});
+    kernels::cpu::layer_norm_forward(x.dtype(), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), x.data_ptr(),
+                                     has_w_ ? w.data_ptr() : nullptr, has_b_ ? b.data_ptr() : nullptr, rows, cols,
+                                     eps_);
+    return {y, mean, rstd};
+  }
+  bool differentiable_output(size_t i, const Tensor&) const override { return i == 0; }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
+    saved_ = {in[0].detach(), has_w_ ? in[1].detach() : Tensor(), out[1].detach(), out[2].detach()};
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override;
+
+ private:
+  double eps_;
+  bool has_w_, has_b_;
+};
+
+// (g, x, [weight], mean, rstd) -> (grad_x, [grad_weight], [grad_bias]). Not differentiable itself.
+class LayerNormBackward final : public Primitive {
+ public:
+  LayerNormBackward(bool has_w, bool want_gw, bool want_gb) : has_w_(has_w), want_gw_(want_gw), want_gb_(want_gb) {}
+  const char* name() const override { return "layer_norm_backward"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor g = contiguous(in[0].detach());
+    const Tensor x = contiguous(in[1].detach());
+    const size_t k = has_w_ ? 3 : 2;
+    const Tensor w = has_w_ ? contiguous(in[2].detach()) : Tensor();
+    const Tensor mean = contiguous(in[k].detach());
+    const Tensor rstd = contiguous(in[k + 1].detach());
+    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
+    Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype()});
+    Tensor gw = want_gw_ ? Tensor::empty({cols}, {.dtype = x.dtype()}) : Tensor();
+    Tensor gb = want_gb_ ? Tensor::empty({cols}, {.dtype = x.dtype()}) : Tensor();
+    kernels::cpu::layer_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr,
+                                      want_gb_ ? gb.data_ptr() : nullptr, g.data_ptr(), x.data_ptr(),
+                                      has_w_ ? w.data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(), rows, cols);
+    return {gx, gw, gb};
+  }
+
+ private:
+  bool has_w_, want_gw_, want_gb_;
+};
+
+std::vector<Tensor> LayerNorm::backward(const BackwardContext& ctx) {
+  const Tensor& x = saved_[0];
+  const Tensor g = ctx.grads[0].dtype() == x.dtype() ? ctx.grads[0] : cast(ctx.grads[0], x.dtype());
+  const bool want_gw = has_w_ && ctx.needs[1];
+  const bool want_gb = has_b_ && ctx.needs[has_w_ ? 2 : 1];
+  std::vector<Tensor> in{g, x};
+  if (has_w_) in.push_back(saved_[1]);
+  in.push_back(saved_[2]);
+  in.push_back(saved_[3]);
+  std::vector<Tensor> out = quilt::apply(std::make_shared<LayerNormBackward>(has_w_, want_gw, want_gb), in);
+  std::vector<Tensor> grads{out[0]};
+  if (has_w_) grads.push_back(out[1]);
+  if (has_b_) grads.push_back(out[2]);
+  return grads;
+}
+
+// Shared argument checks of the norms; returns weight/bias cast to x's dtype.
+Tensor norm_param(const char* op, const char* what, const Tensor& p, const Tensor& x) {
+  if (!p.defined()) return p;
+  QUILT_CHECK(is_floating(p.dtype()), "[", op, "] ", what, " must be floating, got ", dtype_name(p.dtype()));
+  QUILT_CHECK(p.dim() == 1 && p.size(0) == x.size(-1), "[", op, "] ", what, " of shape ", p.shape(),
+              " does not match the last dim of x ", x.shape());
+  return p.dtype() == x.dtype() ? p : cast(p, x.dtype());
+}
+
+void check_norm_input(const char* op, const Tensor& x, double eps) {
+  QUILT_CHECK(x.defined(), "[", op, "] got an undefined tensor");
+  QUILT_CHECK(is_floating(x.dtype()), "[", op, "] needs a floating tensor, got ", dtype_name(x.dtype()));
+  QUILT_CHECK(x.dim() >= 1, "[", op, "] needs at least 1 dim to normalise over, got a 0-d tensor");
+  QUILT_CHECK(eps >= 0, "[", op, "] eps must be non-negative, got ", eps);
+}
+
+// ---- embedding ----
+
+Tensor embedding_backward_op(const Tensor& g, const Tensor& indices, int64_t vocab);
+
+// (weight (V, D), indices (*)) -> (*, D).
+class Embedding final : public Primitive {
+ public:
+  const char* name() const override { return "embedding"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor w = contiguous(in[0].detach());
+    const Tensor idx = contiguous(in[1].detach());
+    const int64_t vocab = w.size(0), dim = w.size(1);
+    scan_indices(idx, [&](const auto* p, int64_t n) {
+      for (int64_t i = 0; i < n; ++i)
+        if (p[i] < 0 || int64_t(p[i]) >= vocab)
+          fail("[embedding] index ", int64_t(p[i]), " at position ", i, " is out of range for a vocabulary of ",
+               vocab, " rows (weight ", w.shape(), ")");
+    });
+    Shape os = idx.shape();
+    os.push_back(dim);
+    Tensor out = Tensor::empty(os, {.dtype = w.dtype()});
+    kernels::cpu::embedding_forward(w.dtype(), out.data_ptr(), w.data_ptr(), idx.dtype(), idx.data_ptr(),
+                                    idx.numel(), dim);
+    return {out};
+  }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    return {embedding_backward_op(ctx.grads[0], saved_[0], ctx.inputs[0].shape[0]), Tensor()};
+  }
+};
+
+// (g (*, D), indices (*)) -> (V, D): rows of g added at their indices.
+class EmbeddingBackward final : public Primitive {
+ public:
+  explicit EmbeddingBackward(int64_t vocab) : vocab_(vocab) {}
+  const char* name() const override { return "embedding_backward"; }
+  Attrs attrs() const override { return {{"vocab", vocab_}}; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor g = contiguous(in[0].detach());
+    const Tensor idx = contiguous(in[1].detach());
+    const int64_t dim = g.size(-1);
+    Tensor gw = Tensor::empty({vocab_, dim}, {.dtype = g.dtype()});
+    kernels::cpu::embedding_backward(g.dtype(), gw.data_ptr(), g.data_ptr(), idx.dtype(), idx.data_ptr(),
+                                     idx.numel(), vocab_, dim);
+    return {gw};
+  }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
+  // Linear in g: its adjoint gathers the rows again.
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    return {embedding(ctx.grads[0], saved_[0]), Tensor()};
+  }
+
+ private:
+  int64_t vocab_;
+};
+
+Tensor embedding_backward_op(const Tensor& g, const Tensor& indices, int64_t vocab) {
+  return apply1(std::make_shared<EmbeddingBackward>(vocab), {g, indices});
+}
+
+// ---- dropout ----
+
+// dropout() written with other ops: the CUDA path (there is no fused CUDA dropout kernel).
+// Matches the CPU kernel bit for bit: same mask, same f32 (f64) scaling, one rounding.
+Tensor dropout_composite(const Tensor& x, double p, RngKey key) {
+  const Tensor keep = dropout_mask(x.shape(), p, key, x.device());
+  const bool widen = x.dtype() == DType::bf16 || x.dtype() == DType::f16;
+  const Tensor xs = widen ? cast(x, DType::f32) : x;
+  const Tensor out = where(keep, xs * (1.0 / (1.0 - p)), zeros({}, {.dtype = xs.dtype(), .device = x.device()}));
+  return widen ? cast(out, x.dtype()) : out;
+}
+
+class Dropout final : public Primitive {
+ public:
+  Dropout(double p, RngKey key) : p_(p), key_(key) {}
+  const char* name() const override { return "dropout"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor x = contiguous(in[0].detach());  // the mask follows the row-major index
+    if (!x.device().is_cpu()) return {dropout_composite(x, p_, key_)};
+    Tensor out = Tensor::empty(x.shape(), {.dtype = x.dtype()});
+    kernels::cpu::dropout(x.dtype(), out.data_ptr(), x.data_ptr(), x.numel(), p_, key_.seed, key_.key);
+    return {out};
+  }
+  // Same key, same mask: the gradient is dropout of the incoming gradient.
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    return {apply1(std::make_shared<Dropout>(p_, key_), {ctx.grads[0]})};
+  }
+
+ private:
+  double p_;
+  RngKey key_;
+};
+
+void check_p(double p) { QUILT_CHECK(p >= 0.0 && p <= 1.0, "[dropout] p must be in [0, 1], got ", p); }
+
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, false); }
+Tensor log_softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, true); }
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index, Reduction reduction) {
+  QUILT_CHECK(logits.defined() && target.defined(), "[cross_entropy] got an undefined tensor");
+  QUILT_CHECK(is_floating(logits.dtype()), "[cross_entropy] logits must be floating, got ",
+              dtype_name(logits.dtype()));
+  QUILT_CHECK(is_index_dtype(target.dtype()), "[cross_entropy] target must hold class indices (i32 or i64), got ",
+              dtype_name(target.dtype()));
+  QUILT_CHECK(logits.dim() >= 1, "[cross_entropy] logits need a class dim, got shape ", logits.shape());
+  const Shape lead = lead_shape(logits);
+  QUILT_CHECK(target.shape() == lead, "[cross_entropy] target of shape ", target.shape(),
+              " does not match logits of shape ", logits.shape(), " (expected target shape ", lead, ")");
+  (void)common_device("cross_entropy", {logits, target});
+  const int64_t n = numel_of(lead), c = logits.size(-1);
+  const Tensor t = reshape(target, {n});
+  const Tensor rows = apply1(std::make_shared<CrossEntropy>(ignore_index), {reshape(logits, {n, c}), t});
+  Tensor out;
+  switch (reduction) {
+    case Reduction::none: out = reshape(rows, lead); break;
+    case Reduction::sum: out = sum(rows); break;
+    case Reduction::mean: {
+      // 0 / 0 = NaN when nothing is counted, as in PyTorch.
+      const Tensor counted = sum(cast(ne(t, scalar_like(double(ignore_index), t)), rows.dtype()));
+      out = sum(rows) / counted;
+      break;
+    }
+  }
+  return cast(out, logits.dtype());
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  QUILT_CHECK(weight.defined() && indices.defined(), "[embedding] got an undefined tensor");
+  QUILT_CHECK(is_floating(weight.dtype()), "[embedding] weight must be floating, got ", dtype_name(weight.dtype()));
+  QUILT_CHECK(weight.dim() == 2, "[embedding] weight must be (V, D), got shape ", weight.shape());
+  QUILT_CHECK(is_index_dtype(indices.dtype()), "[embedding] indices must be i32 or i64, got ",
+              dtype_name(indices.dtype()));
+  (void)common_device("embedding", {weight, indices});
+  require_cpu("embedding", {weight, indices});
+  return apply1(std::make_shared<Embedding>(), {weight, indices});
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_norm_input("rms_norm", x, eps);
+  const Tensor w = norm_param("rms_norm", "weight", weight, x);
+  (void)common_device("rms_norm", {x, w});
+  require_cpu("rms_norm", {x, w});
+  std::vector<Tensor> in{x};
+  if (w.defined()) in.push_back(w);
+  return quilt::apply(std::make_shared<RmsNorm>(eps, w.defined()), in)[0];
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  check_norm_input("layer_norm", x, eps);
+  const Tensor w = norm_param("layer_norm", "weight", weight, x);
+  const Tensor b = norm_param("layer_norm", "bias", bias, x);
+  (void)common_device("layer_norm", {x, w, b});
+  require_cpu("layer_norm", {x, w, b});
+  std::vector<Tensor> in{x};
+  if (w.defined()) in.push_back(w);
+  if (b.defined()) in.push_back(b);
+  return quilt::apply(std::make_shared<LayerNorm>(eps, w.defined(), b.defined()), in)[0];
+}
+
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  QUILT_CHECK(gate.defined() && up.defined(), "[swiglu] got an undefined tensor");
+  QUILT_CHECK(is_floating(gate.dtype()) && is_floating(up.dtype()), "[swiglu] needs floating tensors, got ",
+              dtype_name(gate.dtype()), " and ", dtype_name(up.dtype()));
+  (void)broadcast_shapes(gate.shape(), up.shape(), "swiglu");
+  return silu(gate) * up;
+}
+
+Tensor dropout_mask(const Shape& shape, double p, RngKey key, Device device) {
+  check_p(p);
+  // Element i is kept iff f > p, f = (k + 1) / 2^24 being its 24-bit Philox uniform (as the CPU
+  // kernel draws it). rand() in f32 yields exactly u = 1 - f, and f > p <=> f >= thr, thr the
+  // next multiple of 2^-24 above p, so the test u <= 1 - thr is exact in f32.
+  constexpr double k24 = 16777216.0;
+  const double thr = (std::floor(p * k24) + 1.0) / k24;
+  const Tensor u = rand(shape, key, {.dtype = DType::f32, .device = device});
+  return le(u, scalar_tensor(1.0 - thr, {.dtype = DType::f32, .device = device}));
+}
+
+Tensor dropout(const Tensor& x, double p, RngKey key, bool train) {
+  QUILT_CHECK(x.defined(), "[dropout] got an undefined tensor");
+  check_p(p);
+  QUILT_CHECK(is_floating(x.dtype()), "[dropout] needs a floating tensor, got ", dtype_name(x.dtype()));
+  if (!train || p == 0.0) return x;
+  return apply1(std::make_shared<Dropout>(p, key), {x});
+}
+
+Tensor dropout(const Tensor& x, double p, Generator& gen, bool train) {
+  check_p(p);
+  if (!train || p == 0.0) return dropout(x, p, RngKey{}, train);  // draws no key when nothing is dropped
+  return dropout(x, p, gen.next(), train);
+}
+
+}  // namespace quilt

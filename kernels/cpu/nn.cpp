@@ -1,0 +1,430 @@
+// Fused CPU kernels for softmax, cross entropy, RMS/layer norm and embedding (see nn.h).
+// Rows are independent and split across OpenMP threads; inside a row the math runs on Eigen
+// arrays of the compute type C (f32, or f64 for f64 data), so bf16/f16 rows are widened into a
+// per-thread scratch row first and rounded once on the way out.
+#include "kernels/cpu/nn.h"
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/parallel.h"
+
+namespace quilt::kernels::cpu {
+namespace {
+
+template <class C> using Arr = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+template <class C> using CArr = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
+
+// Rows per thread chunk so that a chunk holds about kGrain elements.
+inline int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)); }
+
+// Scratch rows of the compute type for one thread's chunk (empty when T is already C).
+template <class T>
+struct Scratch {
+  using C = compute_t<T>;
+  static constexpr bool kWiden = !std::is_same_v<T, C>;
+  std::vector<C> a, b, c;
+  explicit Scratch(int64_t cols) {
+    if constexpr (kWiden) { a.resize(size_t(cols)); b.resize(size_t(cols)); c.resize(size_t(cols)); }
+  }
+  // The row as C values: itself, or widened into `buf`.
+  static const C* load(const T* src, int64_t n, std::vector<C>& buf) {
+    if constexpr (kWiden) {
+      for (int64_t i = 0; i < n; ++i) buf[size_t(i)] = C(src[i]);
+      return buf.data();
+    } else {
+      return src;
+    }
+  }
+  // Where to compute an output row: in place, or in `buf` to be stored with store().
+  static C* target(T* dst, std::vector<C>& buf) {
+    if constexpr (kWiden) return buf.data();
+    else return dst;
+  }
+  static void store(T* dst, const C* src, int64_t n) {
+    if constexpr (kWiden)
+      for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+  }
+};
+
+template <class I>
+void with_index_type(DType dt, I&& f) {
+  if (dt == DType::i32) f(int32_t{});
+  else f(int64_t{});
+}
+
+// ---- softmax ----
+
+template <class T>
+void softmax_fwd(T* out, const T* in, int64_t rows, int64_t cols, bool log) {
+  using S = Scratch<T>;
+  using C = typename S::C;
+  parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
+    S s(cols);
+    for (int64_t r = b; r < e; ++r) {
+      CArr<C> x(S::load(in + r * cols, cols, s.a), cols);
+      T* orow = out + r * cols;
+      Arr<C> o(S::target(orow, s.b), cols);
+      const C m = x.maxCoeff();
+      if (log) {
+        const C lse = m + std::log((x - m).exp().sum());
+        o = x - lse;
+      } else {
+        o = (x - m).exp();
+        o *= C(1) / o.sum();
+      }
+      S::store(orow, o.data(), cols);
+    }
+  });
+}
+
+template <class T>
+void softmax_bwd(T* gin, const T* gout, const T* y, int64_t rows, int64_t cols, bool log) {
+  using S = Scratch<T>;
+  using C = typename S::C;
+  parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
+    S s(cols);
+    for (int64_t r = b; r < e; ++r) {
+      CArr<C> g(S::load(gout + r * cols, cols, s.a), cols);
+      CArr<C> yy(S::load(y + r * cols, cols, s.b), cols);
+      T* orow = gin + r * cols;
+      Arr<C> o(S::target(orow, s.c), cols);
+      if (log) o = g - yy.exp() * g.sum();
+      else o = yy * (g - (g * yy).sum());
+      S::store(orow, o.data(), cols);
+    }
+  });
+}
+
+// ---- cross entropy ----
+
+template <class C>
+C logsumexp(const CArr<C>& x) {
+  const C m = x.maxCoeff();
+  return m + std::log((x - m).exp().sum());
+}
+
+template <class T, class I>
+void ce_fwd(compute_t<T>* loss, const T* logits, const I* target, int64_t rows, int64_t cols, int64_t ignore) {
+  using S = Scratch<T>;
+  using C = typename S::C;
+  parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
+    S s(cols);
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t t = int64_t(target[r]);
+      if (t == ignore) { loss[r] = C(0); continue; }
+      CArr<C> x(S::load(logits + r * cols, cols, s.a), cols);
+      loss[r] = logsumexp(x) - x[t];
+    }
+  });
+}
+
+template <class T, class I>
+void ce_bwd(T* grad, const T* logits, const I* target, const compute_t<T>* scale, int64_t rows, int64_t cols,
+            int64_t ignore) {
+  using S = Scratch<T>;
+  using C = typename S::C;
+  parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
+    S s(cols);
+    for (int64_t r = b; r < e; ++r) {
+      T* orow = grad + r * cols;
+      const int64_t t = int64_t(target[r]);
+      if (t == ignore) {  // written as zeros, never scale * 0 (scale may be inf for an all-ignored mean)
+        std::memset(static_cast<void*>(orow), 0, size_t(cols) * sizeof(T));
+        continue;
+      }
+      CArr<C> x(S::load(logits + r * cols, cols, s.a), cols);
+      Arr<C> o(S::target(orow, s.b), cols);
+      const C k = scale[r];
+      o = (x - logsumexp(x)).exp() * k;
+      o[t] -= k;
+      S::store(orow, o.data(), cols);
+    }
+  });
+}
+
+// ---- norms ----
+
+// Rows split into a fixed number of blocks (a function of `rows` only), so that weight
+// gradients are summed in the same order whatever the thread count.
+inline int64_t norm_blocks(int64_t rows) { return std::clamp<int64_t>(rows, 1, 64); }
+inline int64_t block_begin(int64_t rows, int64_t nb, int64_t b) { return rows * b / nb; }
+
+// Sums per-block partials (nb, cols) of C into out (cols) of T, blocks in order.
+template <class T, class C>
+void sum_partials(T* out, const std::vector<C>& part, int64_t nb, int64_t cols) {
+  parallel_range(cols, kGrain / std::max<int64_t>(nb, 1) + 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      C acc = 0;
+      for (int64_t k = 0; k < nb; ++k) acc += part[size_t(k * cols + c)];
+      out[c] = T(acc);
+    }
+  });
+}
+
+template <class T>
+void rms_fwd(T* y, compute_t<T>* rstd, const T* x, const T* w, int64_t rows, int64_t cols, double eps) {
+  using S = Scratch<T>;
+  using C = typename S::C;
+  parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
+    S s(cols);
+    std::vector<C> wbuf(size_t(w ? cols : 0));
+    for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = C(w[i]);
+    for (int64_t r = b; r < e; ++r) {
+      CArr<C> xx(S::load(x + r * cols, cols, s.a), cols);
+      T* orow = y + r * cols;
+      Arr<C> o(S::target(orow, s.b), cols);
+      const C rs = C(1) / std::sqrt(xx.square().sum() / C(cols) + C(eps));
+      rstd[r] = rs;
+      if (w) o = xx * rs * CArr<C>(wbuf.data(), cols);
+      else o = xx * rs;
+      S::store(orow, o.data(), cols);
+    }
+  });
+}
+
+template <class T>
+void rms_bwd(T* gx, T* gw, const T* g, const T* x, const T* w, const compute_t<T>* rstd, int64_t rows, int64_t cols) {
+  using S = Scratch<T>;
+  using C = typename S::C;
+  const int64_t nb = norm_blocks(rows);
+  std::vector<C> part(size_t(gw ? nb * cols : 0), C(0));
+  parallel_range(nb, 1, [&](int64_t b0, int64_t b1) {
+    S s(cols);
+    std::vector<C> wbuf(size_t(w ? cols : 0)), wg(static_cast<size_t>(cols));
+    for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = C(w[i]);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      for (int64_t r = block_begin(rows, nb, blk); r < block_begin(rows, nb, blk + 1); ++r) {
+        CArr<C> gg(S::load(g + r * cols, cols, s.a), cols);
+        CArr<C> xx(S::load(x + r * cols, cols, s.b), cols);
+        Arr<C> wgr(wg.data(), cols);
+        if (w) wgr = gg * CArr<C>(wbuf.data(), cols);
+        else wgr = gg;
+        const C rs = rstd[r];
+        const C dot = (wgr * xx).sum();
+        T* orow = gx + r * cols;
+        Arr<C> o(S::target(orow, s.c), cols);
+        o = rs * wgr - (rs * rs * rs * dot / C(cols)) * xx;
+        S::store(orow, o.data(), cols);
+        if (gw) Arr<C>(part.data() + blk * cols, cols) += gg * xx * rs;
+      }
+    }
+  });
+  if (gw) sum_partials(gw, part, nb, cols);
+}
+
+template <class T>
+void ln_fwd(T* y, compute_t<T>* mean, compute_t<T>* rstd, const T* x, const T* w, const T* bias, int64_t rows,
+            int64_t cols, double eps) {
+  using S = Scratch<T>;
+  using C = typename S::C;
+  parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
+    S s(cols);
+    std::vector<C> wbuf(size_t(w ? cols : 0)), bbuf(size_t(bias ? cols : 0));
+    for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = C(w[i]);
+    for (int64_t i = 0; i < (bias ? cols : 0); ++i) bbuf[size_t(i)] = C(bias[i]);
+    for (int64_t r = b; r < e; ++r) {
+      CArr<C> xx(S::load(x + r * cols, cols, s.a), cols);
+      T* orow = y + r * cols;
+      Arr<C> o(S::target(orow, s.b), cols);
+      const C mu = xx.sum() / C(cols);
+      o = xx - mu;  // two passes: the variance of centred values does not cancel
+      const C rs = C(1) / std::sqrt(o.square().sum() / C(cols) + C(eps));
+      mean[r] = mu;
+      rstd[r] = rs;
+      o *= rs;
+      if (w) o *= CArr<C>(wbuf.data(), cols);
+      if (bias) o += CArr<C>(bbuf.data(), cols);
+      S::store(orow, o.data(), cols);
+    }
+  });
+}
+
+template <class T>
+void ln_bwd(T* gx, T* gw, T* gb, const T* g, const T* x, const T* w, const compute_t<T>* mean,
+            const compute_t<T>* rstd, int64_t rows, int64_t cols) {
+  using S = Scratch<T>;
+  using C = typename S::C;
+  const int64_t nb = norm_blocks(rows);
+  std::vector<C> pw(size_t(gw ? nb * cols : 0), C(0)), pb(size_t(gb ? nb * cols : 0), C(0));
+  parallel_range(nb, 1, [&](int64_t b0, int64_t b1) {
+    S s(cols);
+    std::vector<C> wbuf(size_t(w ? cols : 0)), xh(static_cast<size_t>(cols)), wg(static_cast<size_t>(cols));
+    for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = C(w[i]);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      for (int64_t r = block_begin(rows, nb, blk); r < block_begin(rows, nb, blk + 1); ++r) {
+        CArr<C> gg(S::load(g + r * cols, cols, s.a), cols);
+        CArr<C> xx(S::load(x + r * cols, cols, s.b), cols);
+        const C rs = rstd[r];
+        Arr<C> xhat(xh.data(), cols);
+        xhat = (xx - mean[r]) * rs;
+        Arr<C> wgr(wg.data(), cols);
+        if (w) wgr = gg * CArr<C>(wbuf.data(), cols);
+        else wgr = gg;
+        const C a = wgr.sum() / C(cols);
+        const C d = (wgr * xhat).sum() / C(cols);
+        T* orow = gx + r * cols;
+        Arr<C> o(S::target(orow, s.c), cols);
+        o = rs * (wgr - a - xhat * d);
+        S::store(orow, o.data(), cols);
+        if (gw) Arr<C>(pw.data() + blk * cols, cols) += gg * xhat;
+        if (gb) Arr<C>(pb.data() + blk * cols, cols) += gg;
+      }
+    }
+  });
+  if (gw) sum_partials(gw, pw, nb, cols);
+  if (gb) sum_partials(gb, pb, nb, cols);
+}
+
+// ---- embedding ----
+
+template <class T, class I>
+void emb_fwd(T* out, const T* weight, const I* index, int64_t n, int64_t dim) {
+  parallel_range(n, row_grain(dim), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      std::memcpy(static_cast<void*>(out + i * dim), weight + int64_t(index[i]) * dim, size_t(dim) * sizeof(T));
+  });
+}
+
+template <class T, class I>
+void emb_bwd(T* gw, const T* g, const I* index, int64_t n, int64_t vocab, int64_t dim) {
+  using C = compute_t<T>;
+  parallel_range(vocab * dim, kGrain * 4, [&](int64_t b, int64_t e) {
+    std::memset(static_cast<void*>(gw + b), 0, size_t(e - b) * sizeof(T));
+  });
+  if (n == 0 || dim == 0) return;
+  // Positions grouped by row (stable, so each row sums its contributions in position order);
+  // one thread owns each row, so there are no races and no atomics.
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return index[a] < index[b]; });
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < n; ++i)
+    if (i == 0 || index[order[size_t(i)]] != index[order[size_t(i - 1)]]) starts.push_back(i);
+  starts.push_back(n);
+  const int64_t segments = int64_t(starts.size()) - 1;
+  parallel_range(segments, row_grain(dim), [&](int64_t b, int64_t e) {
+    std::vector<C> acc(static_cast<size_t>(dim));
+    for (int64_t sgm = b; sgm < e; ++sgm) {
+      std::fill(acc.begin(), acc.end(), C(0));
+      for (int64_t k = starts[size_t(sgm)]; k < starts[size_t(sgm + 1)]; ++k) {
+        const T* src = g + order[size_t(k)] * dim;
+        for (int64_t j = 0; j < dim; ++j) acc[size_t(j)] += C(src[j]);
+      }
+      T* dst = gw + int64_t(index[order[size_t(starts[size_t(sgm)])]]) * dim;
+      for (int64_t j = 0; j < dim; ++j) dst[j] = T(acc[size_t(j)]);
+    }
+  });
+}
+
+}  // namespace
+
+void softmax_forward(DType dt, void* out, const void* in, int64_t rows, int64_t cols, bool log) {
+  if (rows == 0 || cols == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    softmax_fwd(static_cast<scalar_t*>(out), static_cast<const scalar_t*>(in), rows, cols, log);
+  });
+}
+
+void softmax_backward(DType dt, void* grad_in, const void* grad_out, const void* out, int64_t rows, int64_t cols,
+                      bool log) {
+  if (rows == 0 || cols == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    softmax_bwd(static_cast<scalar_t*>(grad_in), static_cast<const scalar_t*>(grad_out),
+                static_cast<const scalar_t*>(out), rows, cols, log);
+  });
+}
+
+void cross_entropy_forward(DType dt, void* loss, const void* logits, DType target_dt, const void* target,
+                           int64_t rows, int64_t cols, int64_t ignore_index) {
+  if (rows == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    with_index_type(target_dt, [&](auto idx) {
+      using I = decltype(idx);
+      ce_fwd(static_cast<compute_t<scalar_t>*>(loss), static_cast<const scalar_t*>(logits),
+             static_cast<const I*>(target), rows, cols, ignore_index);
+    });
+  });
+}
+
+void cross_entropy_backward(DType dt, void* grad_logits, const void* logits, DType target_dt, const void* target,
+                            const void* scale, int64_t rows, int64_t cols, int64_t ignore_index) {
+  if (rows == 0 || cols == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    with_index_type(target_dt, [&](auto idx) {
+      using I = decltype(idx);
+      ce_bwd(static_cast<scalar_t*>(grad_logits), static_cast<const scalar_t*>(logits), static_cast<const I*>(target),
+             static_cast<const compute_t<scalar_t>*>(scale), rows, cols, ignore_index);
+    });
+  });
+}
+
+void rms_norm_forward(DType dt, void* y, void* rstd, const void* x, const void* weight, int64_t rows, int64_t cols,
+                      double eps) {
+  if (rows == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    rms_fwd(static_cast<T*>(y), static_cast<compute_t<T>*>(rstd), static_cast<const T*>(x),
+            static_cast<const T*>(weight), rows, cols, eps);
+  });
+}
+
+void rms_norm_backward(DType dt, void* grad_x, void* grad_weight, const void* g, const void* x, const void* weight,
+                       const void* rstd, int64_t rows, int64_t cols) {
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    rms_bwd(static_cast<T*>(grad_x), static_cast<T*>(grad_weight), static_cast<const T*>(g),
+            static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<const compute_t<T>*>(rstd), rows,
+            cols);
+  });
+}
+
+void layer_norm_forward(DType dt, void* y, void* mean, void* rstd, const void* x, const void* weight,
+                        const void* bias, int64_t rows, int64_t cols, double eps) {
+  if (rows == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    ln_fwd(static_cast<T*>(y), static_cast<compute_t<T>*>(mean), static_cast<compute_t<T>*>(rstd),
+           static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<const T*>(bias), rows, cols, eps);
+  });
+}
+
+void layer_norm_backward(DType dt, void* grad_x, void* grad_weight, void* grad_bias, const void* g, const void* x,
+                         const void* weight, const void* mean, const void* rstd, int64_t rows, int64_t cols) {
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    ln_bwd(static_cast<T*>(grad_x), static_cast<T*>(grad_weight), static_cast<T*>(grad_bias),
+           static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const T*>(weight),
+           static_cast<const compute_t<T>*>(mean), static_cast<const compute_t<T>*>(rstd), rows, cols);
+  });
+}
+
+void embedding_forward(DType dt, void* out, const void* weight, DType index_dt, const void* index, int64_t n,
+                       int64_t dim) {
+  if (n == 0 || dim == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    with_index_type(index_dt, [&](auto idx) {
+      using I = decltype(idx);
+      emb_fwd(static_cast<scalar_t*>(out), static_cast<const scalar_t*>(weight), static_cast<const I*>(index), n, dim);
+    });
+  });
+}
+
+void embedding_backward(DType dt, void* grad_weight, const void* grad_out, DType index_dt, const void* index,
+                        int64_t n, int64_t vocab, int64_t dim) {
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    with_index_type(index_dt, [&](auto idx) {
+      using I = decltype(idx);
+      emb_bwd(static_cast<scalar_t*>(grad_weight), static_cast<const scalar_t*>(grad_out),
+              static_cast<const I*>(index), n, vocab, dim);
+    });
+  });
+}
+
+}  // namespace quilt::kernels::cpu
