@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# make demo: the project's main job. Until the trainer lands this is the single-process
-# example trained with the public API.
+# make demo: prepares the fortune(6) corpus (Debian's `fortunes` package) as token shards and
+# trains the default recipe on 4 CPU ranks under mpiexec, printing the step lines.
 set -euo pipefail
 build=${1:-build}
-cmake --install "$build" > /dev/null
-prefix=$(grep -E '^CMAKE_INSTALL_PREFIX:' "$build/CMakeCache.txt" | cut -d= -f2)
-cmake -S examples -B "$build/examples" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" > /dev/null
-cmake --build "$build/examples" > /dev/null
-"$build/examples/tiny_regression"
+shift || true
+ranks=${QUILT_DEMO_RANKS:-4}
+"$build/bin/quilt" data prepare --input /usr/share/games/fortunes --output "$build/data/fortunes"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# Ranks share this machine's cores: no binding, shared-memory transport, yield when idle.
+exec mpiexec -n "$ranks" --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 \
+  --mca mpi_yield_when_idle 1 \
+  "$build/bin/quilt" train --config recipes/llama_tiny.yaml \
+  --set distributed.strategy=ddp --set logging.dir="$build/demo" \
+  --set "data.path=$build/data/fortunes/train_*.bin" --set "data.val_path=$build/data/fortunes/val_*.bin" "$@"

@@ -1,0 +1,228 @@
+// Llama decoder: see llama.h.
+#include "models/llama/llama.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+
+#include "engine/engine.h"
+
+namespace quilt {
+
+LlamaConfig LlamaConfig::from_json(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    fail("[llama config] config.json is not valid JSON: ", e.what());
+  }
+  LlamaConfig c;
+  auto get = [&](const char* key, auto& field) {
+    if (j.contains(key) && !j[key].is_null()) {
+      try {
+        field = j[key].get<std::decay_t<decltype(field)>>();
+      } catch (const std::exception&) {
+        fail("[llama config] field '", key, "' has the wrong type: ", j[key].dump());
+      }
+    }
+  };
+  get("hidden_size", c.hidden_size);
+  get("intermediate_size", c.intermediate_size);
+  get("num_hidden_layers", c.num_hidden_layers);
+  get("num_attention_heads", c.num_attention_heads);
+  c.num_key_value_heads = c.num_attention_heads;
+  get("num_key_value_heads", c.num_key_value_heads);
+  c.head_dim = c.hidden_size / std::max<int64_t>(1, c.num_attention_heads);
+  get("head_dim", c.head_dim);
+  get("rms_norm_eps", c.rms_norm_eps);
+  get("rope_theta", c.rope_theta);
+  get("vocab_size", c.vocab_size);
+  get("tie_word_embeddings", c.tie_word_embeddings);
+  get("max_position_embeddings", c.max_position_embeddings);
+  get("initializer_range", c.initializer_range);
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (!j.contains(key) || j[key].is_null()) continue;
+    const auto& r = j[key];
+    const std::string type = r.value("rope_type", r.value("type", std::string("default")));
+    if (type == "default") continue;
+    QUILT_CHECK(type == "llama3", "[llama config] ", key, ".rope_type '", type, "' is not supported (llama3 or default)");
+    RopeScaling s;
+    s.factor = r.value("factor", s.factor);
+    s.low_freq_factor = r.value("low_freq_factor", s.low_freq_factor);
+    s.high_freq_factor = r.value("high_freq_factor", s.high_freq_factor);
+    s.original_max_position_embeddings = r.value("original_max_position_embeddings", s.original_max_position_embeddings);
+    if (r.contains("rope_theta")) c.rope_theta = r["rope_theta"].get<double>();
+    c.rope_scaling = s;
+  }
+  c.validate();
+  return c;
+}
+
+std::string LlamaConfig::to_json() const {
+  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
+                      {"model_type", "llama"},
+                      {"hidden_size", hidden_size},
+                      {"intermediate_size", intermediate_size},
+                      {"num_hidden_layers", num_hidden_layers},
+                      {"num_attention_heads", num_attention_heads},
+                      {"num_key_value_heads", num_key_value_heads},
+                      {"head_dim", head_dim},
+                      {"rms_norm_eps", rms_norm_eps},
+                      {"rope_theta", rope_theta},
+                      {"vocab_size", vocab_size},
+                      {"tie_word_embeddings", tie_word_embeddings},
+                      {"max_position_embeddings", max_position_embeddings},
+                      {"initializer_range", initializer_range},
+                      {"hidden_act", "silu"},
+                      {"torch_dtype", "float32"}};
+  if (rope_scaling) {
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", rope_scaling->factor},
+                         {"low_freq_factor", rope_scaling->low_freq_factor},
+                         {"high_freq_factor", rope_scaling->high_freq_factor},
+                         {"original_max_position_embeddings", rope_scaling->original_max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  return j.dump(2) + "\n";
+}
+
+void LlamaConfig::validate() const {
+  QUILT_CHECK(hidden_size > 0 && intermediate_size > 0 && num_hidden_layers >= 0 && vocab_size > 0,
+              "[llama config] sizes must be positive (hidden_size=", hidden_size, ", intermediate_size=",
+              intermediate_size, ", num_hidden_layers=", num_hidden_layers, ", vocab_size=", vocab_size, ")");
+  QUILT_CHECK(num_attention_heads > 0 && num_key_value_heads > 0 && num_attention_heads % num_key_value_heads == 0,
+              "[llama config] num_attention_heads=", num_attention_heads,
+              " must be a positive multiple of num_key_value_heads=", num_key_value_heads);
+  QUILT_CHECK(head_dim > 0 && head_dim % 2 == 0, "[llama config] head_dim=", head_dim, " must be positive and even");
+}
+
+std::pair<Tensor, Tensor> rope_tables(const LlamaConfig& cfg, int64_t max_positions) {
+  const int64_t half = cfg.head_dim / 2;
+  std::vector<double> inv(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    double f = 1.0 / std::pow(cfg.rope_theta, double(2 * i) / double(cfg.head_dim));
+    if (cfg.rope_scaling) {  // llama3: slow down low frequencies, keep high ones, blend between
+      const RopeScaling& s = *cfg.rope_scaling;
+      const double low_wavelen = double(s.original_max_position_embeddings) / s.low_freq_factor;
+      const double high_wavelen = double(s.original_max_position_embeddings) / s.high_freq_factor;
+      const double wavelen = 2 * M_PI / f;
+      if (wavelen > low_wavelen) {
+        f = f / s.factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (double(s.original_max_position_embeddings) / wavelen - s.low_freq_factor) /
+                              (s.high_freq_factor - s.low_freq_factor);
+        f = (1 - smooth) * f / s.factor + smooth * f;
+      }
+    }
+    inv[size_t(i)] = f;
+  }
+  std::vector<double> c(static_cast<size_t>(max_positions * half)), sn(c.size());
+  for (int64_t p = 0; p < max_positions; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      c[size_t(p * half + i)] = std::cos(double(p) * inv[size_t(i)]);
+      sn[size_t(p * half + i)] = std::sin(double(p) * inv[size_t(i)]);
+    }
+  return {from_vector(c, {max_positions, half}), from_vector(sn, {max_positions, half})};
+}
+
+LlamaAttention::LlamaAttention(const LlamaConfig& cfg)
+    : Module("LlamaAttention"), heads_(cfg.num_attention_heads), kv_heads_(cfg.num_key_value_heads),
+      head_dim_(cfg.head_dim) {
+  q_proj = register_module("q_proj", std::make_shared<Linear>(cfg.hidden_size, heads_ * head_dim_, false));
+  k_proj = register_module("k_proj", std::make_shared<Linear>(cfg.hidden_size, kv_heads_ * head_dim_, false));
+  v_proj = register_module("v_proj", std::make_shared<Linear>(cfg.hidden_size, kv_heads_ * head_dim_, false));
+  o_proj = register_module("o_proj", std::make_shared<Linear>(heads_ * head_dim_, cfg.hidden_size, false));
+  for (auto* l : {q_proj.get(), k_proj.get(), v_proj.get(), o_proj.get()}) l->init_std = cfg.initializer_range;
+}
+
+Tensor LlamaAttention::forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const int64_t b = x.size(0), t = x.size(1);
+  // (B, T, H*D) -> (B, H, T, D)
+  Tensor q = (*q_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
+  Tensor k = (*k_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
+  Tensor v = (*v_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
+  q = rotary_embedding(q, cos, sin);
+  k = rotary_embedding(k, cos, sin);
+  Tensor y = scaled_dot_product_attention(q, k, v, {}, /*causal=*/true);
+  return (*o_proj)(y.transpose(1, 2).reshape({b, t, -1}));
+}
+
+LlamaMLP::LlamaMLP(const LlamaConfig& cfg) : Module("LlamaMLP") {
+  gate_proj = register_module("gate_proj", std::make_shared<Linear>(cfg.hidden_size, cfg.intermediate_size, false));
+  up_proj = register_module("up_proj", std::make_shared<Linear>(cfg.hidden_size, cfg.intermediate_size, false));
+  down_proj = register_module("down_proj", std::make_shared<Linear>(cfg.intermediate_size, cfg.hidden_size, false));
+  for (auto* l : {gate_proj.get(), up_proj.get(), down_proj.get()}) l->init_std = cfg.initializer_range;
+}
+
+Tensor LlamaMLP::forward(const Tensor& x) { return (*down_proj)(swiglu((*gate_proj)(x), (*up_proj)(x))); }
+
+LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& cfg) : Module("LlamaDecoderLayer") {
+  self_attn = register_module("self_attn", std::make_shared<LlamaAttention>(cfg));
+  mlp = register_module("mlp", std::make_shared<LlamaMLP>(cfg));
+  input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
+}
+
+Tensor LlamaDecoderLayer::forward(const Tensor& x) {
+  QUILT_CHECK(cos_.defined(), "[LlamaDecoderLayer] rotary tables not set (call through LlamaModel)");
+  Tensor h = x + self_attn->forward_rope((*input_layernorm)(x), cos_, sin_);
+  return h + (*mlp)((*post_attention_layernorm)(h));
+}
+
+LlamaModel::LlamaModel(const LlamaConfig& cfg) : Module("LlamaModel"), cfg_(cfg) {
+  cfg.validate();
+  embed_tokens = register_module("embed_tokens", std::make_shared<Embedding>(cfg.vocab_size, cfg.hidden_size));
+  embed_tokens->init_std = cfg.initializer_range;
+  layers = register_module("layers", std::make_shared<ModuleList>());
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
+    blocks.push_back(layers->push_back(std::make_shared<LlamaDecoderLayer>(cfg)));
+  norm = register_module("norm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
+  auto [c, s] = rope_tables(cfg, cfg.max_position_embeddings);
+  register_buffer("rope_cos", c, /*persistent=*/false);
+  register_buffer("rope_sin", s, /*persistent=*/false);
+}
+
+Tensor LlamaModel::forward(const Tensor& tokens) {
+  QUILT_CHECK(tokens.dim() == 2, "[LlamaModel] tokens must be (batch, seq), got shape ", tokens.shape());
+  const int64_t t = tokens.size(1);
+  QUILT_CHECK(t <= cfg_.max_position_embeddings, "[LlamaModel] sequence length ", t,
+              " exceeds max_position_embeddings=", cfg_.max_position_embeddings);
+  Tensor c = buffer("rope_cos").narrow(0, 0, t), s = buffer("rope_sin").narrow(0, 0, t);
+  Tensor h = (*embed_tokens)(tokens);
+  for (auto& blk : blocks) {
+    blk->set_rope(c, s);
+    h = block_runner ? block_runner(*blk, h) : (*blk)(h);
+  }
+  return (*norm)(h);
+}
+
+LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& cfg) : Module("LlamaForCausalLM"), cfg_(cfg) {
+  model = register_module("model", std::make_shared<LlamaModel>(cfg));
+  if (!cfg.tie_word_embeddings) {
+    lm_head = register_module("lm_head", std::make_shared<Linear>(cfg.hidden_size, cfg.vocab_size, false));
+    lm_head->init_std = cfg.initializer_range;
+  }
+}
+
+Tensor LlamaForCausalLM::forward(const Tensor& tokens) {
+  Tensor h = (*model)(tokens);
+  return lm_head ? (*lm_head)(h) : linear(h, model->embed_tokens->weight());
+}
+
+Tensor LlamaForCausalLM::loss(const Tensor& inputs, const Tensor& targets) {
+  Tensor logits = forward(inputs);
+  return cross_entropy(logits.reshape({-1, cfg_.vocab_size}), targets.reshape({-1}));
+}
+
+double LlamaForCausalLM::flops_per_token(int64_t seq_len) const {
+  double n = 0;
+  for (const Tensor& p : parameters()) n += double(p.numel());
+  n -= double(cfg_.vocab_size * cfg_.hidden_size) * (cfg_.tie_word_embeddings ? 0 : 1);  // embedding lookup is free
+  const double attn = 12.0 * double(cfg_.num_hidden_layers) * double(cfg_.num_attention_heads * cfg_.head_dim) *
+                      double(seq_len) / 2;  // causal: half the score matrix
+  return 6.0 * n + attn;
+}
+
+}  // namespace quilt

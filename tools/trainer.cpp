@@ -1,0 +1,326 @@
+// The training loop: see trainer.h. Reads as: set up (mesh, model, layout, optimizer, data,
+// resume) -> steps (micro-batches, reduce, clip, update, log, checkpoint) -> final checkpoint.
+#include "tools/trainer.h"
+
+#include <nlohmann/json.hpp>
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "collectives/launch.h"
+#include "engine/engine.h"
+#include "models/llama/llama.h"
+#include "parallel/ddp.h"
+#include "parallel/parallel_dims.h"
+#include "tools/data.h"
+
+namespace quilt {
+namespace fs = std::filesystem;
+namespace {
+
+LlamaConfig llama_config(const ModelConfig& m) {
+  LlamaConfig c;
+  c.hidden_size = m.hidden_size;
+  c.intermediate_size = m.intermediate_size;
+  c.num_hidden_layers = m.num_hidden_layers;
+  c.num_attention_heads = m.num_attention_heads;
+  c.num_key_value_heads = m.kv_heads();
+  c.head_dim = m.head_dimension();
+  c.rms_norm_eps = m.rms_norm_eps;
+  c.rope_theta = m.rope_theta;
+  if (m.rope_parameters) {
+    RopeScaling s;
+    s.factor = m.rope_parameters->factor;
+    s.low_freq_factor = m.rope_parameters->low_freq_factor;
+    s.high_freq_factor = m.rope_parameters->high_freq_factor;
+    s.original_max_position_embeddings = m.rope_parameters->original_max_position_embeddings;
+    c.rope_scaling = s;
+  }
+  c.vocab_size = m.vocab_size;
+  c.tie_word_embeddings = m.tie_word_embeddings;
+  c.max_position_embeddings = m.max_position_embeddings;
+  c.initializer_range = m.initializer_range;
+  c.validate();
+  return c;
+}
+
+// Peak f32 throughput of the host, for MFU: the measured BLAS ceiling of this kind of machine
+// (docs/PERF.md), shared by the ranks of one host. QUILT_PEAK_TFLOPS overrides it.
+double peak_tflops_per_rank() {
+  double peak = 0.25;
+  if (const char* s = std::getenv("QUILT_PEAK_TFLOPS")) peak = std::atof(s);
+  return peak / double(std::max(1, launch_info().local_size));
+}
+
+std::string step_dir_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string with_commas(double v) {
+  std::string s = std::to_string(static_cast<long long>(std::llround(v)));
+  for (int i = int(s.size()) - 3; i > 0; i -= 3) s.insert(size_t(i), ",");
+  return s;
+}
+
+// Everything one run holds.
+struct Run {
+  const RecipeConfig& cfg;
+  ParallelDims dims;
+  std::shared_ptr<Communicator> world, dp_comm;
+  std::shared_ptr<LlamaForCausalLM> model;
+  std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<AdamW> opt;
+  std::unique_ptr<LRSchedule> sched;
+  std::unique_ptr<DataLoader> loader, val_loader;
+  std::vector<Tensor> params;
+  int64_t step = 0;  // steps completed
+
+  Run(const RecipeConfig& c, int64_t world_size) : cfg(c), dims(check_recipe(c, world_size)) {}
+};
+
+// The one layout this trainer applies without the DTensor layer: data parallel by replication.
+void apply_layout(Run& r) {
+  const ParallelDims& d = r.dims;
+  const bool replicated_only = d.tp() == 1 && d.pp() == 1 && d.cp() == 1 && d.ep() == 1;
+  QUILT_CHECK(replicated_only && (d.dp() == 1 || r.cfg.distributed.strategy == Strategy::kDdp),
+              "[distributed.strategy] ", strategy_name(r.cfg.distributed.strategy), " with ", d.mesh_string(),
+              " is not available in this trainer yet; it runs one rank or strategy: ddp");
+  if (d.dp() > 1) r.ddp = std::make_unique<DistributedDataParallel>(*r.model, r.dp_comm, DDPOptions{});
+}
+
+void save_checkpoint(Run& r, const std::string& root) {
+  const std::string final_dir = (fs::path(root) / step_dir_name(r.step)).string();
+  const std::string tmp_dir = (fs::path(root) / ("." + step_dir_name(r.step) + ".tmp")).string();
+  if (r.world->rank() == 0) {  // replicated state: one writer; the rename commits it
+    fs::create_directories(root);
+    fs::remove_all(tmp_dir);
+    fs::create_directories(tmp_dir);
+    std::vector<std::pair<std::string, Tensor>> model_t;
+    for (auto& [name, t] : r.model->state_dict()) model_t.emplace_back(name, t);
+    save_safetensors((fs::path(tmp_dir) / "model.safetensors").string(), model_t, {{"format", "pt"}});
+    OptimizerState os = r.opt->state_dict();
+    std::vector<std::pair<std::string, Tensor>> opt_t;
+    for (auto& [name, t] : os.tensors) opt_t.emplace_back(name, t);
+    std::map<std::string, std::string> scalars;
+    for (auto& [name, v] : os.scalars) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.17g", v);
+      scalars[name] = buf;
+    }
+    save_safetensors((fs::path(tmp_dir) / "optimizer.safetensors").string(), opt_t, scalars);
+    nlohmann::json st = {{"step", r.step}, {"loader", nlohmann::json::parse(r.loader->state().to_json())},
+                         {"recipe", recipe_to_yaml(r.cfg)}, {"layout", r.dims.mesh_string()}};
+    {
+      std::ofstream f((fs::path(tmp_dir) / "trainer.json").string());
+      f << st.dump(2) << "\n";
+      QUILT_CHECK(f.good(), "[checkpoint] cannot write ", tmp_dir, "/trainer.json");
+    }
+    fs::rename(tmp_dir, final_dir);
+    const int64_t keep = r.cfg.checkpoint.keep_last;
+    if (keep > 0) {
+      std::vector<std::string> all;
+      for (const auto& e : fs::directory_iterator(root))
+        if (e.is_directory() && e.path().filename().string().rfind("step_", 0) == 0) all.push_back(e.path().string());
+      std::sort(all.begin(), all.end());
+      for (size_t i = 0; i + size_t(keep) < all.size(); ++i) fs::remove_all(all[i]);
+    }
+    log_line("checkpoint: saved ", final_dir);
+  }
+  r.world->barrier();
+}
+
+void load_checkpoint(Run& r, const std::string& dir) {
+  SafetensorsFile m = load_safetensors((fs::path(dir) / "model.safetensors").string(), {.mmap = false});
+  StateDict sd;
+  for (auto& [name, t] : m.tensors) sd.insert(name, t);
+  r.model->load_state_dict(sd);
+  SafetensorsFile o = load_safetensors((fs::path(dir) / "optimizer.safetensors").string(), {.mmap = false});
+  OptimizerState os;
+  for (const std::string& name : o.names) os.tensors.insert(name, o.tensors.at(name));
+  for (auto& [k, v] : o.metadata)
+    if (k != "format") os.scalars.insert(k, std::stod(v));
+  r.opt->load_state_dict(os);
+  std::ifstream f((fs::path(dir) / "trainer.json").string());
+  QUILT_CHECK(f.good(), "[checkpoint] ", dir, " has no trainer.json");
+  nlohmann::json st = nlohmann::json::parse(f);
+  r.step = st.at("step").get<int64_t>();
+  r.loader->load_state(LoaderState::from_json(st.at("loader").dump()));
+  log_line("checkpoint: resumed from ", dir, " at step ", r.step);
+}
+
+double validation_loss(Run& r) {
+  if (!r.val_loader) return -1;
+  NoGradGuard ng;
+  r.model->eval();
+  r.val_loader->reset();
+  double total = 0;
+  const int64_t n = std::max<int64_t>(1, r.cfg.train.eval_steps);
+  for (int64_t s = 0; s < n; ++s) {
+    double step_sum = 0;
+    auto batches = r.val_loader->next_step();
+    for (const Batch& b : batches) step_sum += r.model->loss(b.inputs, b.targets).item<double>();
+    total += step_sum / double(batches.size());
+  }
+  Tensor t = scalar_tensor(total / double(n), {.dtype = DType::f64});
+  if (r.dp_comm->size() > 1) r.dp_comm->all_reduce(t, ReduceOp::avg);
+  r.model->train();
+  return t.item<double>();
+}
+
+std::unique_ptr<Run> setup(const RecipeConfig& cfg) {
+  Communicator& w = world();
+  auto r = std::make_unique<Run>(cfg, w.size());
+  r->world = world_ptr();
+  r->world->set_timeout(std::chrono::milliseconds(int64_t(cfg.dist_env.timeout_s * 1000)));
+  r->dims.check_seq_len(cfg.train.seq_len);
+  log_line(r->dims.mesh_string());
+  // Ranks share the host's cores: give each its share of OpenMP threads.
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  omp_set_num_threads(std::max(1, cores / std::max(1, launch_info().local_size)));
+  r->dp_comm = r->world;  // data parallel is the whole world in the layouts this trainer runs
+  r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
+  r->model->init_weights(uint64_t(cfg.train.seed));
+  apply_layout(*r);
+  r->params = r->model->parameters();
+  const TrainConfig& t = cfg.train;
+  // No weight decay on norms (1-D parameters), as is usual for Llama training.
+  std::vector<Tensor> decay, no_decay;
+  for (const Tensor& p : r->params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  std::vector<ParamGroup> groups{{decay, std::nullopt, t.weight_decay}, {no_decay, std::nullopt, 0.0}};
+  r->opt = std::make_unique<AdamW>(groups, AdamWOptions{.lr = t.lr, .beta1 = t.beta1, .beta2 = t.beta2, .eps = t.eps,
+                                                        .weight_decay = t.weight_decay});
+  r->sched = std::make_unique<LRSchedule>(LRSchedule::Options{
+      .max_lr = t.lr, .min_lr = t.min_lr, .init_lr = 0.0, .warmup_steps = t.warmup_steps,
+      .decay_steps = std::max(t.steps, t.warmup_steps + 1),  // short runs may end inside the warmup
+      .style = t.decay == Decay::kLinear ? LRDecayStyle::linear : LRDecayStyle::cosine});
+  const int64_t dp_rank = r->dims.dp_rank(w.rank());
+  auto data = std::make_shared<const TokenDataset>(cfg.data.path, cfg.data.format);
+  data->check_vocab(cfg.model.vocab_size);
+  r->loader = std::make_unique<DataLoader>(
+      data, LoaderOptions{.seq_len = t.seq_len, .global_batch_size = t.global_batch_size,
+                          .micro_batch_size = t.micro_batch_size, .dp_rank = dp_rank, .dp_size = r->dims.dp(),
+                          .seed = uint64_t(t.seed), .shuffle = true});
+  if (cfg.data.val_path) {
+    auto val = std::make_shared<const TokenDataset>(*cfg.data.val_path, cfg.data.format);
+    r->val_loader = std::make_unique<DataLoader>(
+        val, LoaderOptions{.seq_len = t.seq_len, .global_batch_size = t.global_batch_size,
+                           .micro_batch_size = t.micro_batch_size, .dp_rank = dp_rank, .dp_size = r->dims.dp(),
+                           .seed = uint64_t(t.seed), .shuffle = false});
+  }
+  return r;
+}
+
+}  // namespace
+
+std::string latest_checkpoint(const std::string& dir) {
+  if (dir.empty() || !fs::exists(dir)) return "";
+  std::string best;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.rfind("step_", 0) == 0 && fs::exists(e.path() / "trainer.json") && name > fs::path(best).filename().string())
+      best = e.path().string();
+  }
+  return best;
+}
+
+TrainResult train(const RecipeConfig& cfg) {
+  std::unique_ptr<Run> run = setup(cfg);
+  Run& r = *run;
+  const TrainConfig& t = cfg.train;
+  if (cfg.checkpoint.dir) {
+    std::string from;
+    if (cfg.checkpoint.resume.kind == ResumeSpec::Kind::kAuto) from = latest_checkpoint(*cfg.checkpoint.dir);
+    if (cfg.checkpoint.resume.kind == ResumeSpec::Kind::kPath) from = cfg.checkpoint.resume.path;
+    if (!from.empty()) load_checkpoint(r, from);
+  }
+  std::ofstream metrics;
+  if (cfg.logging.dir && r.world->rank() == 0) {
+    fs::create_directories(*cfg.logging.dir);
+    metrics.open((fs::path(*cfg.logging.dir) / "metrics.jsonl").string(), std::ios::app);
+  }
+  TrainResult result;
+  const int64_t accum = r.loader->accumulation_steps();
+  const double tokens_per_step = double(t.global_batch_size * t.seq_len);
+  const double flops_per_token = r.model->flops_per_token(t.seq_len);
+  r.model->train();
+  while (r.step < t.steps) {
+    const auto t0 = std::chrono::steady_clock::now();
+    reset_cpu_peak_memory();
+    const double lr = r.sched->lr_at(r.opt->step_count());
+    r.opt->set_lr(lr);
+    std::vector<Batch> batches = r.loader->next_step();
+    double loss_sum = 0;
+    for (int64_t m = 0; m < accum; ++m) {
+      if (r.ddp) r.ddp->set_sync(m == accum - 1);
+      Tensor loss = r.model->loss(batches[size_t(m)].inputs, batches[size_t(m)].targets);
+      (loss * (1.0 / double(accum))).backward();
+      loss_sum += loss.item<double>();
+    }
+    if (r.ddp) r.ddp->finish();
+    Tensor loss_t = scalar_tensor(loss_sum / double(accum), {.dtype = DType::f64});
+    if (r.dp_comm->size() > 1) r.dp_comm->all_reduce(loss_t, ReduceOp::avg);
+    const double loss = loss_t.item<double>();
+    const double norm = clip_grad_norm_(r.params, t.max_grad_norm.value_or(INFINITY)).item<double>();
+    // Every rank holds the same averaged loss and gradients, so all take the same decision.
+    const bool finite = std::isfinite(loss) && std::isfinite(norm);
+    if (finite) r.opt->step();
+    else log_line("step ", r.step + 1, ": non-finite ", std::isfinite(loss) ? "gradient norm" : "loss", ", step skipped on every rank");
+    r.opt->zero_grad();
+    ++r.step;
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    StepMetrics sm;
+    sm.step = r.step;
+    sm.loss = loss;
+    sm.grad_norm = norm;
+    sm.lr = lr;
+    sm.skipped = !finite;
+    sm.tps = tokens_per_step / secs;
+    sm.tflops = flops_per_token * tokens_per_step / double(r.world->size()) / secs / 1e12;
+    sm.mfu = sm.tflops / peak_tflops_per_rank();
+    sm.memory_gib = double(cpu_memory_stats().peak_allocated) / double(int64_t(1) << 30);
+    result.steps.push_back(sm);
+    if (r.step % std::max<int64_t>(1, cfg.logging.every_steps) == 0 || r.step == 1 || r.step == t.steps) {
+      char line[256];
+      std::snprintf(line, sizeof line, "step: %lld  loss: %.4f  grad_norm: %.4f  memory: %.2fGiB  tps: %s  tflops: %.3f  mfu: %.2f%%",
+                    static_cast<long long>(r.step), loss, norm, sm.memory_gib, with_commas(sm.tps).c_str(), sm.tflops,
+                    sm.mfu * 100);
+      log_line(line);
+    }
+    if (metrics.is_open()) {
+      nlohmann::json j = {{"step", sm.step}, {"loss", sm.loss}, {"grad_norm", sm.grad_norm}, {"lr", sm.lr},
+                          {"tps", sm.tps}, {"tflops", sm.tflops}, {"mfu", sm.mfu}, {"memory_gib", sm.memory_gib}};
+      if (sm.skipped) j["skipped"] = true;
+      metrics << j.dump() << "\n";
+      metrics.flush();
+    }
+    if (cfg.train.eval_every > 0 && r.step % cfg.train.eval_every == 0 && r.val_loader) {
+      const double vl = validation_loss(r);
+      char line[96];
+      std::snprintf(line, sizeof line, "validation: step %lld  loss: %.4f", static_cast<long long>(r.step), vl);
+      log_line(line);
+    }
+    if (cfg.checkpoint.dir && cfg.checkpoint.every_steps > 0 && r.step % cfg.checkpoint.every_steps == 0 &&
+        r.step < t.steps)
+      save_checkpoint(r, *cfg.checkpoint.dir);
+  }
+  if (cfg.checkpoint.dir && !result.steps.empty()) save_checkpoint(r, *cfg.checkpoint.dir);
+  result.final_val_loss = validation_loss(r);
+  if (result.final_val_loss >= 0) log_line("validation loss: ", result.final_val_loss);
+  return result;
+}
+
+double evaluate(const RecipeConfig& cfg, const std::string& checkpoint_dir) {
+  std::unique_ptr<Run> run = setup(cfg);
+  load_checkpoint(*run, checkpoint_dir);
+  QUILT_CHECK(run->val_loader != nullptr, "[eval] the recipe has no data.val_path");
+  return validation_loss(*run);
+}
+
+}  // namespace quilt

@@ -1,0 +1,35 @@
+// The training loop behind `quilt train` and `quilt eval`: builds the model of a recipe,
+// applies its parallel layout, and runs steps with gradient accumulation, LR schedule,
+// clipping, non-finite skipping, step lines + metrics.jsonl, and atomic checkpoints.
+//
+//   RecipeConfig cfg = load_recipe("recipes/llama_tiny.yaml", {"train.steps=20"});
+//   TrainResult r = train(cfg);          // under mpirun: every rank calls it
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tools/config.h"
+
+namespace quilt {
+
+/// Per-step figures (the same ones the step line prints).
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0, grad_norm = 0, lr = 0, tps = 0, tflops = 0, mfu = 0, memory_gib = 0;
+  bool skipped = false;
+};
+
+struct TrainResult {
+  std::vector<StepMetrics> steps;  // every step run in this call (resumed runs: from the resume point)
+  double final_val_loss = -1;      // < 0: no validation data
+};
+
+/// Trains per the recipe on the world communicator (init_from_launcher must have run).
+TrainResult train(const RecipeConfig& cfg);
+/// Loads a checkpoint directory and returns the validation loss over eval_steps batches.
+double evaluate(const RecipeConfig& cfg, const std::string& checkpoint_dir);
+/// Newest complete checkpoint (step_N directory) under `dir`, or "" when there is none.
+std::string latest_checkpoint(const std::string& dir);
+
+}  // namespace quilt
