@@ -12,7 +12,7 @@ int train_main(const CommandArgs& a) {
   RecipeConfig cfg = load_recipe(a.get("--config"), a.list("--set"));
   init_from_launcher();
   (void)check_recipe(cfg, world().size());
-  train(cfg);
+  train(cfg, a.has("--stop-after") ? a.get_int("--stop-after") : -1);
   finalize();
   return 0;
 }
@@ -31,7 +31,8 @@ CommandRegistrar train_reg({
     .path = {"train"},
     .help = "Train the recipe's model (launch under mpirun/srun for several ranks)",
     .options = {{.name = "-c,--config", .help = "recipe YAML file", .required = true},
-                {.name = "--set", .help = "override key=value (e.g. train.steps=20); repeatable", .kind = OptionKind::kList}},
+                {.name = "--set", .help = "override key=value (e.g. train.steps=20); repeatable", .kind = OptionKind::kList},
+                {.name = "--stop-after", .help = "end the run after N steps (checkpointing), keeping the schedule of train.steps"}},
     .run = train_main,
 });
 

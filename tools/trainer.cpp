@@ -230,7 +230,7 @@ std::string latest_checkpoint(const std::string& dir) {
   return best;
 }
 
-TrainResult train(const RecipeConfig& cfg) {
+TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
   std::unique_ptr<Run> run = setup(cfg);
   Run& r = *run;
   const TrainConfig& t = cfg.train;
@@ -250,7 +250,8 @@ TrainResult train(const RecipeConfig& cfg) {
   const double tokens_per_step = double(t.global_batch_size * t.seq_len);
   const double flops_per_token = r.model->flops_per_token(t.seq_len);
   r.model->train();
-  while (r.step < t.steps) {
+  const int64_t last = stop_after >= 0 ? std::min(stop_after, t.steps) : t.steps;
+  while (r.step < last) {
     const auto t0 = std::chrono::steady_clock::now();
     reset_cpu_peak_memory();
     const double lr = r.sched->lr_at(r.opt->step_count());
@@ -286,7 +287,7 @@ TrainResult train(const RecipeConfig& cfg) {
     sm.mfu = sm.tflops / peak_tflops_per_rank();
     sm.memory_gib = double(cpu_memory_stats().peak_allocated) / double(int64_t(1) << 30);
     result.steps.push_back(sm);
-    if (r.step % std::max<int64_t>(1, cfg.logging.every_steps) == 0 || r.step == 1 || r.step == t.steps) {
+    if (r.step % std::max<int64_t>(1, cfg.logging.every_steps) == 0 || r.step == 1 || r.step == last) {
       char line[256];
       std::snprintf(line, sizeof line, "step: %lld  loss: %.4f  grad_norm: %.4f  memory: %.2fGiB  tps: %s  tflops: %.3f  mfu: %.2f%%",
                     static_cast<long long>(r.step), loss, norm, sm.memory_gib, with_commas(sm.tps).c_str(), sm.tflops,
@@ -307,7 +308,7 @@ TrainResult train(const RecipeConfig& cfg) {
       log_line(line);
     }
     if (cfg.checkpoint.dir && cfg.checkpoint.every_steps > 0 && r.step % cfg.checkpoint.every_steps == 0 &&
-        r.step < t.steps)
+        r.step < last)
       save_checkpoint(r, *cfg.checkpoint.dir);
   }
   if (cfg.checkpoint.dir && !result.steps.empty()) save_checkpoint(r, *cfg.checkpoint.dir);

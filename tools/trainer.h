@@ -26,7 +26,9 @@ struct TrainResult {
 };
 
 /// Trains per the recipe on the world communicator (init_from_launcher must have run).
-TrainResult train(const RecipeConfig& cfg);
+/// `stop_after` >= 0 ends the run (with a checkpoint when checkpoint.dir is set) once that many
+/// steps are complete, as a stopped job would; the schedule still spans train.steps.
+TrainResult train(const RecipeConfig& cfg, int64_t stop_after = -1);
 /// Loads a checkpoint directory and returns the validation loss over eval_steps batches.
 double evaluate(const RecipeConfig& cfg, const std::string& checkpoint_dir);
 /// Newest complete checkpoint (step_N directory) under `dir`, or "" when there is none.

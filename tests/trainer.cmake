@@ -1,0 +1,20 @@
+# Whole-run trainer tests under mpiexec (tests/tools/trainer_runs.sh): equivalence of layouts
+# with the one-rank loss curve, determinism, and bit-identical resume.
+add_executable(metrics_compare ${CMAKE_CURRENT_SOURCE_DIR}/tools/metrics_compare.cpp)
+target_link_libraries(metrics_compare PRIVATE nlohmann_json::nlohmann_json)
+set(_runs bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/trainer_runs.sh $<TARGET_FILE:quilt_cli> $<TARGET_FILE:metrics_compare>
+    ${QUILT_MPIEXEC} ${QUILT_MPIEXEC_FLAGS} --)
+function(quilt_trainer_test name)
+  add_test(NAME "trainer: ${name}" COMMAND ${_runs} ${ARGN})
+  set_tests_properties("trainer: ${name}" PROPERTIES TIMEOUT 600 RUN_SERIAL TRUE
+    ENVIRONMENT "OMP_NUM_THREADS=1;QUILT_COMM_TIMEOUT_S=120;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+endfunction()
+quilt_trainer_test("ddp 2 follows the one-rank loss curve" equivalence ddp2 2 --set distributed.strategy=ddp)
+quilt_trainer_test("ddp 4 follows the one-rank loss curve" equivalence ddp4 4 --set distributed.strategy=ddp)
+quilt_trainer_test("the same layout twice gives bit-identical losses" determinism)
+quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
+# A bad recipe stops `quilt train` before any rank does work, naming the key.
+add_test(NAME "trainer: a bad value stops train before work, naming the key"
+  COMMAND sh -c "out=$(\"$0\" train --config \"$1\" --set train.steps=abc 2>&1); rc=$?; echo \"$out\"; \
+[ $rc -ne 0 ] && echo \"$out\" | grep -q 'train.steps' && ! echo \"$out\" | grep -q 'step: 1'"
+  $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/llama_tiny.yaml)
