@@ -1,0 +1,609 @@
+// The backend-independent half of every collective: argument checks, sequence numbers,
+// contiguous/host staging of tensors, and the Work handle, state and in-order executor.
+#include "collectives/communicator.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <numeric>
+#include <sstream>
+
+#include "collectives/internal.h"
+#include "engine/autograd.h"
+#include "engine/random.h"
+
+namespace quilt {
+
+using detail::OpCall;
+using detail::OpKind;
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::max: return "max";
+    case ReduceOp::min: return "min";
+  }
+  return "?";
+}
+
+std::chrono::milliseconds resolved_timeout(const CommOptions& opts) {
+  if (opts.timeout) {
+    QUILT_CHECK(opts.timeout->count() > 0, "[communicator] timeout must be positive, got ", opts.timeout->count(),
+                " ms");
+    return *opts.timeout;
+  }
+  if (const char* env = std::getenv("QUILT_COMM_TIMEOUT_S"); env && *env) {
+    char* end = nullptr;
+    const double s = std::strtod(env, &end);
+    QUILT_CHECK(end && *end == '\0' && s > 0, "[communicator] QUILT_COMM_TIMEOUT_S must be a positive number of ",
+                "seconds, got '", env, "'");
+    return std::chrono::milliseconds(std::max<int64_t>(1, int64_t(s * 1000.0)));
+  }
+  return std::chrono::minutes(10);
+}
+
+bool resolved_debug_checks(const CommOptions& opts) {
+  if (opts.debug_checks) return *opts.debug_checks;
+  const char* env = std::getenv("QUILT_COMM_DEBUG");
+  return env && *env && std::string(env) != "0";
+}
+
+namespace detail {
+
+const char* op_kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::all_reduce: return "all_reduce";
+    case OpKind::broadcast: return "broadcast";
+    case OpKind::reduce: return "reduce";
+    case OpKind::all_gather: return "all_gather";
+    case OpKind::all_gather_v: return "all_gather_v";
+    case OpKind::reduce_scatter: return "reduce_scatter";
+    case OpKind::reduce_scatter_v: return "reduce_scatter_v";
+    case OpKind::all_to_all: return "all_to_all_single";
+    case OpKind::barrier: return "barrier";
+    case OpKind::split: return "split";
+    case OpKind::send: return "send";
+    case OpKind::recv: return "recv";
+    case OpKind::batch_p2p: return "batch_p2p";
+  }
+  return "?";
+}
+
+std::string format_duration(std::chrono::milliseconds d) {
+  std::ostringstream os;
+  if (d.count() < 1000) os << d.count() << " ms";
+  else if (d.count() % 1000 == 0) os << d.count() / 1000 << " s";
+  else os << double(d.count()) / 1000.0 << " s";
+  return os.str();
+}
+
+std::string OpDesc::short_str() const {
+  return detail::concat(op_kind_name(kind), is_collective(kind) ? " #" : " p2p#", seq);
+}
+
+std::string OpDesc::str() const {
+  std::ostringstream os;
+  os << short_str() << " on " << comm << " (";
+  const char* sep = "";
+  if (has_tensor) {
+    os << "shape " << detail::concat(shape) << ", " << dtype_name(dtype);
+    sep = ", ";
+  }
+  if (rop) { os << sep << reduce_op_name(*rop); sep = ", "; }
+  if (kind == OpKind::broadcast || kind == OpKind::reduce) { os << sep << "root " << root; sep = ", "; }
+  if (kind == OpKind::send) { os << sep << "to rank " << root << ", tag " << tag; sep = ", "; }
+  if (kind == OpKind::recv) { os << sep << "from rank " << root << ", tag " << tag; sep = ", "; }
+  if (kind == OpKind::batch_p2p) { os << sep << root << " transfers"; sep = ", "; }
+  os << sep << "rank " << rank << ")";
+  return os.str();
+}
+
+std::string Signature::str() const {
+  std::ostringstream os;
+  os << op_kind_name(OpKind(kind)) << " #" << seq;
+  if (ndim >= 0) {
+    os << " with " << (trailing_only ? "rows of shape (*" : "shape (");
+    const int shown = std::min(ndim, 8);
+    for (int i = 0; i < shown; ++i) os << (i || trailing_only ? ", " : "") << dims[i];
+    if (ndim > 8) os << ", ...";
+    if (ndim == 1 && !trailing_only) os << ',';
+    os << "), " << dtype_name(DType(dtype));
+  }
+  if (rop >= 0) os << ", " << reduce_op_name(ReduceOp(rop));
+  if (root >= 0) os << ", root " << root;
+  return os.str();
+}
+
+void check_signatures(const std::vector<Signature>& all, const OpDesc& d) {
+  if (all.size() < 2) return;
+  // The reference is the signature most ranks hold (ties: the lowest rank's), so one odd rank
+  // is named even when it is rank 0.
+  size_t ref = 0, best = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const size_t c = size_t(std::count(all.begin(), all.end(), all[i]));
+    if (c > best) { best = c; ref = i; }
+  }
+  if (best == all.size()) return;
+  std::vector<int> differing;
+  for (size_t i = 0; i < all.size(); ++i)
+    if (!(all[i] == all[ref])) differing.push_back(int(i));
+  const Signature& bad = all[size_t(differing[0])];
+  std::string why;
+  Signature a = bad, b = all[ref];
+  a.extra_hash = b.extra_hash = 0;
+  if (a == b) why = " (their per-rank row sizes differ)";
+  fail("[", op_kind_name(d.kind), "] ranks disagree on collective #", d.seq, " of ", d.comm, ": rank ",
+       differing[0], " calls ", bad.str(), " but rank ", ref, " calls ", all[ref].str(), why,
+       differing.size() > 1 ? "; all differing ranks: " : "", differing.size() > 1 ? detail::concat(differing) : "");
+}
+
+// ---- WorkState ----
+WorkState::WorkState(OpDesc d, std::chrono::milliseconds t)
+    : desc(std::move(d)), timeout(t), issued(Clock::now()), deadline(issued + t) {}
+
+WorkState::~WorkState() = default;
+
+void WorkState::mark_done() {
+  std::lock_guard lk(mu_);
+  if (status_.load(std::memory_order_relaxed) != 0) return;
+  status_.store(1, std::memory_order_release);
+  cv_.notify_all();
+}
+
+void WorkState::mark_failed(std::string message) {
+  std::lock_guard lk(mu_);
+  if (status_.load(std::memory_order_relaxed) != 0) return;
+  error_ = std::move(message);
+  status_.store(2, std::memory_order_release);
+  cv_.notify_all();
+}
+
+std::string WorkState::error() const {
+  std::lock_guard lk(mu_);
+  return error_;
+}
+
+bool WorkState::poll() { return done_flag(); }
+
+bool WorkState::block_until(std::optional<Clock::time_point> until) {
+  std::unique_lock lk(mu_);
+  if (!until) {
+    cv_.wait(lk, [&] { return status_.load(std::memory_order_acquire) != 0; });
+    return true;
+  }
+  return cv_.wait_until(lk, *until, [&] { return status_.load(std::memory_order_acquire) != 0; });
+}
+
+void WorkState::finish() {
+  if (failed()) throw Error(error());
+  std::vector<std::function<void()>> todo;
+  {
+    std::lock_guard lk(mu_);
+    if (copied_back_) return;
+    copied_back_ = true;
+    todo.swap(copy_back);
+  }
+  for (auto& f : todo) f();
+}
+
+// ---- OpExecutor ----
+OpExecutor::~OpExecutor() { stop(); }
+
+void OpExecutor::run(const std::shared_ptr<WorkState>& w, Body& body) {
+  try {
+    body();
+    w->mark_done();
+  } catch (const std::exception& e) {
+    w->mark_failed(e.what());
+  } catch (...) {
+    w->mark_failed("[" + std::string(op_kind_name(w->desc.kind)) + "] failed with an unknown exception");
+  }
+}
+
+void OpExecutor::submit(const std::shared_ptr<WorkState>& w, Body body, bool async) {
+  std::unique_lock lk(mu_);
+  if (!async && !busy_ && queue_.empty()) {
+    busy_ = true;
+    lk.unlock();
+    run(w, body);
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+    return;
+  }
+  queue_.emplace_back(w, std::move(body));
+  if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+  cv_.notify_all();
+}
+
+void OpExecutor::loop() {
+  std::unique_lock lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
+    if (queue_.empty()) return;  // stopping
+    auto item = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    run(item.first, item.second);
+    item = {};  // release buffers before reporting idle
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+void OpExecutor::drain() {
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+}
+
+void OpExecutor::stop() {
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  if (worker_.joinable()) worker_.join();
+}
+
+}  // namespace detail
+
+// ---- Work ----
+void Work::wait() {
+  if (!state_) return;
+  state_->wait_for_use();
+  state_->finish();
+}
+
+bool Work::wait_for(std::chrono::milliseconds timeout) {
+  if (!state_) return true;
+  if (!state_->block_until(detail::Clock::now() + timeout)) return false;
+  state_->finish();
+  return true;
+}
+
+bool Work::is_completed() const { return !state_ || state_->poll(); }
+
+std::string Work::describe() const { return state_ ? state_->desc.str() : "no-op"; }
+
+void wait_all(std::vector<Work>& works) {
+  for (Work& w : works) w.wait();
+}
+
+// ---- Communicator ----
+namespace {
+
+// [lo, hi) byte range a tensor's elements span inside its storage.
+std::pair<int64_t, int64_t> byte_extent(const Tensor& t) {
+  int64_t lo = t.offset(), hi = t.offset();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t span = (t.size(d) - 1) * t.stride(d);
+    if (span < 0) lo += span;
+    else hi += span;
+  }
+  const int64_t es = int64_t(t.element_size());
+  return {lo * es, (hi + 1) * es};
+}
+
+bool overlaps(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.storage().id() != b.storage().id()) return false;
+  auto [alo, ahi] = byte_extent(a);
+  auto [blo, bhi] = byte_extent(b);
+  return alo < bhi && blo < ahi;
+}
+
+Shape trailing(const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); }
+
+int64_t checked_sum(const std::vector<int64_t>& v, const char* op, const char* what) {
+  int64_t s = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    QUILT_CHECK(v[i] >= 0, "[", op, "] ", what, " must be non-negative, got ", v[i], " for rank ", i, " in ", v);
+    s += v[i];
+  }
+  return s;
+}
+
+uint64_t hash_counts(const std::vector<int64_t>& v) {
+  std::string bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
+  return stable_hash(bytes) | 1;  // never 0, so "no list" differs from an empty list
+}
+
+// What must agree across ranks: the full shape, or (variable-size ops) the dims after dim 0.
+detail::Signature make_signature(const OpCall& c, const Tensor& subject, bool trailing_only) {
+  detail::Signature s;
+  s.seq = c.desc.seq;
+  s.kind = int32_t(c.desc.kind);
+  s.rop = c.desc.rop ? int32_t(*c.desc.rop) : -1;
+  s.root = (c.desc.kind == OpKind::broadcast || c.desc.kind == OpKind::reduce) ? c.desc.root : -1;
+  s.ndim = -1;
+  if (subject.defined()) {
+    Shape dims = trailing_only ? trailing(subject) : subject.shape();
+    s.dtype = int32_t(subject.dtype());
+    s.trailing_only = trailing_only;
+    s.ndim = int32_t(dims.size());
+    for (size_t i = 0; i < dims.size() && i < 8; ++i) s.dims[i] = dims[i];
+    std::string bytes(reinterpret_cast<const char*>(dims.data()), dims.size() * sizeof(int64_t));
+    s.shape_hash = stable_hash(bytes);
+  }
+  return s;
+}
+
+}  // namespace
+
+Communicator::Communicator(std::string backend, std::string name, int rank, int size, Device device,
+                           const CommOptions& opts)
+    : backend_(std::move(backend)), name_(std::move(name)), rank_(rank), size_(size), device_(device),
+      timeout_(resolved_timeout(opts)), debug_(resolved_debug_checks(opts)) {}
+
+Communicator::~Communicator() = default;
+
+void Communicator::set_timeout(std::chrono::milliseconds t) {
+  QUILT_CHECK(t.count() > 0, "[communicator] timeout must be positive, got ", t.count(), " ms");
+  timeout_ = t;
+}
+
+std::string Communicator::child_name(uint64_t seq, int color) const {
+  return detail::concat(name_, ".split", seq, "[color ", color, "]");
+}
+
+void Communicator::check_root(int root, const char* op, const char* what) const {
+  QUILT_CHECK(root >= 0 && root < size_, "[", op, "] ", what, " ", root, " is out of range for ", name_, " of ",
+              size_, " ranks");
+}
+
+OpCall Communicator::begin(int kind, const Tensor& subject, bool collective) {
+  OpCall c;
+  c.desc.kind = OpKind(kind);
+  c.desc.seq = collective ? ++seq_ : ++p2p_seq_;
+  c.desc.comm = name_;
+  c.desc.rank = rank_;
+  if (subject.defined()) {
+    c.desc.has_tensor = true;
+    c.desc.dtype = subject.dtype();
+    c.desc.shape = subject.shape();
+  }
+  return c;
+}
+
+Tensor Communicator::prepare_input(const Tensor& t, const char* op) const {
+  NoGradGuard ng;
+  Tensor x = t.detach();
+  if (!host_memory_only()) {
+    QUILT_CHECK(x.device() == device_, "[", op, "] the ", backend_, " communicator ", name_, " works on ",
+                device_.str(), " tensors, got one on ", x.device().str());
+  } else if (x.device().is_cuda()) {
+    return x.to(Device::cpu());  // staged through host memory
+  }
+  return x.is_contiguous() ? x : x.contiguous();
+}
+
+Tensor Communicator::prepare_output(const Tensor& t, bool read_too, std::vector<std::function<void()>>& copy_back) const {
+  NoGradGuard ng;
+  Tensor x = t.detach();
+  if (!host_memory_only())
+    QUILT_CHECK(x.device() == device_, "[communicator] the ", backend_, " communicator ", name_, " works on ",
+                device_.str(), " tensors, got one on ", x.device().str());
+  const bool stage = host_memory_only() && x.device().is_cuda();
+  if (!stage && x.is_contiguous()) return x;
+  Tensor tmp;
+  if (read_too) tmp = stage ? x.to(Device::cpu()) : x.contiguous();
+  else tmp = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = stage ? Device::cpu() : x.device()});
+  copy_back.push_back([x, tmp]() mutable {
+    NoGradGuard g;
+    x.copy_(tmp);
+  });
+  return tmp;
+}
+
+Work Communicator::launch(OpCall&& call, std::vector<std::function<void()>>&& copy_back, bool async_op) {
+  call.async = async_op;
+  std::shared_ptr<detail::WorkState> state = start(std::move(call));
+  state->copy_back = std::move(copy_back);
+  Work w(state);
+  if (!async_op) w.wait();
+  return w;
+}
+
+Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
+  QUILT_CHECK(t.defined(), "[all_reduce] got an undefined tensor");
+  QUILT_CHECK(!(op == ReduceOp::avg && t.dtype() == DType::b8), "[all_reduce] avg is not defined for bool tensors");
+  OpCall c = begin(int(OpKind::all_reduce), t, true);
+  c.desc.rop = op;
+  std::vector<std::function<void()>> back;
+  c.in = c.out = prepare_output(t, true, back);
+  c.sig = make_signature(c, t, false);
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+Work Communicator::broadcast(const Tensor& t, int root, bool async_op) {
+  QUILT_CHECK(t.defined(), "[broadcast] got an undefined tensor");
+  check_root(root, "broadcast", "root");
+  OpCall c = begin(int(OpKind::broadcast), t, true);
+  c.desc.root = root;
+  std::vector<std::function<void()>> back;
+  c.in = c.out = prepare_output(t, rank() == root, back);
+  c.sig = make_signature(c, t, false);
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+Work Communicator::reduce(const Tensor& t, int root, ReduceOp op, bool async_op) {
+  QUILT_CHECK(t.defined(), "[reduce] got an undefined tensor");
+  check_root(root, "reduce", "root");
+  QUILT_CHECK(!(op == ReduceOp::avg && t.dtype() == DType::b8), "[reduce] avg is not defined for bool tensors");
+  OpCall c = begin(int(OpKind::reduce), t, true);
+  c.desc.root = root;
+  c.desc.rop = op;
+  std::vector<std::function<void()>> back;
+  if (rank() == root) c.in = c.out = prepare_output(t, true, back);
+  else c.in = c.out = prepare_input(t, "reduce");  // read only: nothing to copy back
+  c.sig = make_signature(c, t, false);
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+Work Communicator::all_gather(const Tensor& out, const Tensor& in, bool async_op) {
+  QUILT_CHECK(out.defined() && in.defined(), "[all_gather] got an undefined tensor");
+  QUILT_CHECK(out.dtype() == in.dtype(), "[all_gather] output is ", dtype_name(out.dtype()), " but input is ",
+              dtype_name(in.dtype()));
+  QUILT_CHECK(out.numel() == int64_t(size()) * in.numel(), "[all_gather] output of shape ", out.shape(), " (",
+              out.numel(), " elements) cannot hold ", size(), " inputs of shape ", in.shape(), " on ", name_);
+  OpCall c = begin(int(OpKind::all_gather), in, true);
+  std::vector<std::function<void()>> back;
+  c.out = prepare_output(out, false, back);
+  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_gather");
+  c.in_counts.assign(size_t(size()), in.numel());
+  c.sig = make_signature(c, in, false);
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+Work Communicator::all_gather_v(const Tensor& out, const Tensor& in, const std::vector<int64_t>& rows, bool async_op) {
+  QUILT_CHECK(out.defined() && in.defined(), "[all_gather_v] got an undefined tensor");
+  QUILT_CHECK(int(rows.size()) == size(), "[all_gather_v] needs one row count per rank (", size(), "), got ", rows);
+  QUILT_CHECK(out.dtype() == in.dtype(), "[all_gather_v] output is ", dtype_name(out.dtype()), " but input is ",
+              dtype_name(in.dtype()));
+  QUILT_CHECK(in.dim() >= 1 && out.dim() == in.dim() && trailing(out) == trailing(in),
+              "[all_gather_v] input of shape ", in.shape(), " and output of shape ", out.shape(),
+              " must have the same dims after dim 0");
+  const int64_t total = checked_sum(rows, "all_gather_v", "row counts");
+  QUILT_CHECK(in.size(0) == rows[size_t(rank())], "[all_gather_v] rank ", rank(), " has ", in.size(0),
+              " rows but rows[", rank(), "] = ", rows[size_t(rank())]);
+  QUILT_CHECK(out.size(0) == total, "[all_gather_v] output has ", out.size(0), " rows, the row counts ", rows,
+              " add up to ", total);
+  OpCall c = begin(int(OpKind::all_gather_v), in, true);
+  const int64_t row = numel_of(trailing(in));
+  std::vector<std::function<void()>> back;
+  c.out = prepare_output(out, false, back);
+  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_gather_v");
+  for (int64_t r : rows) c.in_counts.push_back(r * row);
+  c.sig = make_signature(c, in, true);
+  c.sig.extra_hash = hash_counts(rows);
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+Work Communicator::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, bool async_op) {
+  QUILT_CHECK(out.defined() && in.defined(), "[reduce_scatter] got an undefined tensor");
+  QUILT_CHECK(out.dtype() == in.dtype(), "[reduce_scatter] output is ", dtype_name(out.dtype()), " but input is ",
+              dtype_name(in.dtype()));
+  QUILT_CHECK(in.numel() == int64_t(size()) * out.numel(), "[reduce_scatter] input of shape ", in.shape(), " (",
+              in.numel(), " elements) is not ", size(), " outputs of shape ", out.shape(), " on ", name_);
+  QUILT_CHECK(!(op == ReduceOp::avg && in.dtype() == DType::b8), "[reduce_scatter] avg is not defined for bool tensors");
+  OpCall c = begin(int(OpKind::reduce_scatter), out, true);
+  c.desc.rop = op;
+  std::vector<std::function<void()>> back;
+  c.out = prepare_output(out, false, back);
+  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "reduce_scatter");
+  c.in_counts.assign(size_t(size()), out.numel());
+  c.sig = make_signature(c, out, false);
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+Work Communicator::reduce_scatter_v(const Tensor& out, const Tensor& in, const std::vector<int64_t>& rows,
+                                    ReduceOp op, bool async_op) {
+  QUILT_CHECK(out.defined() && in.defined(), "[reduce_scatter_v] got an undefined tensor");
+  QUILT_CHECK(int(rows.size()) == size(), "[reduce_scatter_v] needs one row count per rank (", size(), "), got ",
+              rows);
+  QUILT_CHECK(out.dtype() == in.dtype(), "[reduce_scatter_v] output is ", dtype_name(out.dtype()),
+              " but input is ", dtype_name(in.dtype()));
+  QUILT_CHECK(in.dim() >= 1 && out.dim() == in.dim() && trailing(out) == trailing(in),
+              "[reduce_scatter_v] input of shape ", in.shape(), " and output of shape ", out.shape(),
+              " must have the same dims after dim 0");
+  QUILT_CHECK(!(op == ReduceOp::avg && in.dtype() == DType::b8), "[reduce_scatter_v] avg is not defined for bool tensors");
+  const int64_t total = checked_sum(rows, "reduce_scatter_v", "row counts");
+  QUILT_CHECK(in.size(0) == total, "[reduce_scatter_v] input has ", in.size(0), " rows, the row counts ", rows,
+              " add up to ", total);
+  QUILT_CHECK(out.size(0) == rows[size_t(rank())], "[reduce_scatter_v] rank ", rank(), " output has ", out.size(0),
+              " rows but rows[", rank(), "] = ", rows[size_t(rank())]);
+  OpCall c = begin(int(OpKind::reduce_scatter_v), out, true);
+  c.desc.rop = op;
+  const int64_t row = numel_of(trailing(in));
+  std::vector<std::function<void()>> back;
+  c.out = prepare_output(out, false, back);
+  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "reduce_scatter_v");
+  for (int64_t r : rows) c.in_counts.push_back(r * row);
+  c.sig = make_signature(c, out, true);
+  c.sig.extra_hash = hash_counts(rows);
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const std::vector<int64_t>& out_splits,
+                                     const std::vector<int64_t>& in_splits, bool async_op) {
+  QUILT_CHECK(out.defined() && in.defined(), "[all_to_all_single] got an undefined tensor");
+  QUILT_CHECK(out.dtype() == in.dtype(), "[all_to_all_single] output is ", dtype_name(out.dtype()),
+              " but input is ", dtype_name(in.dtype()));
+  QUILT_CHECK(in.dim() >= 1 && out.dim() == in.dim() && trailing(out) == trailing(in),
+              "[all_to_all_single] input of shape ", in.shape(), " and output of shape ", out.shape(),
+              " must have the same dims after dim 0");
+  auto splits_of = [&](const std::vector<int64_t>& given, const Tensor& t, const char* what) {
+    if (given.empty()) {
+      QUILT_CHECK(t.size(0) % size() == 0, "[all_to_all_single] ", what, " has ", t.size(0),
+                  " rows, which do not split evenly over ", size(), " ranks; pass ", what, "_splits");
+      return std::vector<int64_t>(size_t(size()), t.size(0) / size());
+    }
+    QUILT_CHECK(int(given.size()) == size(), "[all_to_all_single] needs one ", what, " split per rank (", size(),
+                "), got ", given);
+    const int64_t total = checked_sum(given, "all_to_all_single", "splits");
+    QUILT_CHECK(total == t.size(0), "[all_to_all_single] ", what, "_splits ", given, " add up to ", total, " but the ",
+                what, " has ", t.size(0), " rows");
+    return given;
+  };
+  const std::vector<int64_t> os = splits_of(out_splits, out, "output");
+  const std::vector<int64_t> is = splits_of(in_splits, in, "input");
+  OpCall c = begin(int(OpKind::all_to_all), in, true);
+  const int64_t row = numel_of(trailing(in));
+  std::vector<std::function<void()>> back;
+  c.out = prepare_output(out, false, back);
+  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_to_all_single");
+  for (int64_t r : is) c.in_counts.push_back(r * row);
+  for (int64_t r : os) c.out_counts.push_back(r * row);
+  c.sig = make_signature(c, in, true);
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+Work Communicator::barrier(bool async_op) {
+  OpCall c = begin(int(OpKind::barrier), Tensor(), true);
+  c.sig = make_signature(c, Tensor(), false);
+  return launch(std::move(c), {}, async_op);
+}
+
+std::shared_ptr<Communicator> Communicator::split(int color, int key) {
+  const uint64_t seq = ++seq_;
+  return do_split(color, key, seq);
+}
+
+Work Communicator::send(const Tensor& t, int peer, int tag, bool async_op) {
+  return batch_p2p({P2POp::send(t, peer, tag)}, async_op);
+}
+
+Work Communicator::recv(const Tensor& t, int peer, int tag, bool async_op) {
+  return batch_p2p({P2POp::recv(t, peer, tag)}, async_op);
+}
+
+Work Communicator::batch_p2p(const std::vector<P2POp>& ops, bool async_op) {
+  for (const P2POp& op : ops) {
+    const char* name = op.kind == P2POp::Kind::send ? "send" : "recv";
+    QUILT_CHECK(op.tensor.defined(), "[", name, "] got an undefined tensor");
+    check_root(op.peer, name, "peer");
+    QUILT_CHECK(op.tag >= 0 && op.tag < (1 << 20), "[", name, "] tag ", op.tag, " is outside [0, 2^20)");
+  }
+  if (ops.empty()) return Work();
+  const bool single = ops.size() == 1;
+  const bool is_send = ops[0].kind == P2POp::Kind::send;
+  OpKind kind = single ? (is_send ? OpKind::send : OpKind::recv) : OpKind::batch_p2p;
+  OpCall c = begin(int(kind), single ? ops[0].tensor : Tensor(), false);
+  c.desc.root = single ? ops[0].peer : int(ops.size());
+  c.desc.tag = single ? ops[0].tag : 0;
+  std::vector<std::function<void()>> back;
+  for (const P2POp& op : ops) {
+    detail::P2PItem item;
+    item.is_send = op.kind == P2POp::Kind::send;
+    item.peer = op.peer;
+    item.tag = op.tag;
+    item.tensor = item.is_send ? prepare_input(op.tensor, "send") : prepare_output(op.tensor, false, back);
+    c.p2p.push_back(std::move(item));
+  }
+  return launch(std::move(c), std::move(back), async_op);
+}
+
+}  // namespace quilt

@@ -1,0 +1,227 @@
+// Internal to collectives/: the pieces the backends share (operation descriptions, Work state,
+// the in-order executor, the watchdog registry, host reduction kernels). No MPI or CUDA types
+// here, so every backend and the stubs can include it. Not part of the public API.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "collectives/launch.h"
+
+namespace quilt::detail {
+
+using Clock = std::chrono::steady_clock;
+
+enum class OpKind : uint8_t {
+  all_reduce, broadcast, reduce, all_gather, all_gather_v, reduce_scatter, reduce_scatter_v,
+  all_to_all, barrier, split,  // collectives: numbered in the same order on every rank
+  send, recv, batch_p2p,       // point to point: numbered per rank only
+};
+
+/// "all_reduce", "all_to_all_single", ...
+const char* op_kind_name(OpKind k);
+inline bool is_collective(OpKind k) { return k <= OpKind::split; }
+
+/// What an operation is, for errors and the watchdog.
+struct OpDesc {
+  OpKind kind = OpKind::barrier;
+  uint64_t seq = 0;     // collective sequence number (1-based), or the p2p counter
+  std::string comm;     // communicator name
+  int rank = 0;         // the issuing rank
+  bool has_tensor = false;
+  DType dtype = DType::f32;
+  Shape shape;          // the op's main tensor: t, in (gathers, all_to_all) or out (scatters)
+  std::optional<ReduceOp> rop;
+  int root = -1;        // root of broadcast/reduce, peer of send/recv, number of ops of batch_p2p
+  int tag = 0;
+  /// "all_reduce #5 on world (shape (4, 3), f32, sum)".
+  std::string str() const;
+  /// "all_reduce #5".
+  std::string short_str() const;
+};
+
+/// Fixed-size summary of a collective that must agree across ranks (exchanged by the debug
+/// check; compared on every call by the threads backend). Variable-size ops put only the dims
+/// after dim 0 in `dims` and a hash of their row/split lists in `extra_hash`.
+struct Signature {
+  uint64_t seq = 0;
+  uint64_t shape_hash = 0;
+  uint64_t extra_hash = 0;
+  int32_t kind = 0, dtype = 0, rop = -1, root = -1, ndim = 0, trailing_only = 0;
+  int64_t dims[8] = {};
+  bool operator==(const Signature&) const = default;
+  /// "all_reduce #5 with shape (4, 3), f32, sum".
+  std::string str() const;
+};
+
+/// Throws "[op] ranks disagree on collective #seq of <comm>: ..." naming the first rank that
+/// differs from the signature most ranks hold (ties: the lowest such rank's).
+void check_signatures(const std::vector<Signature>& all, const OpDesc& d);
+
+/// One transfer of a batch (also used for single send/recv).
+struct P2PItem {
+  bool is_send = true;
+  Tensor tensor;  // contiguous, backend memory
+  int peer = 0;
+  int tag = 0;
+};
+
+/// A validated operation as the backends receive it: contiguous tensors in the backend's memory.
+struct OpCall {
+  OpDesc desc;
+  Tensor in, out;                    // in-place ops: in and out are the same tensor
+  std::vector<int64_t> in_counts;    // elements sent to each rank (all_to_all), per-rank sizes of v forms
+  std::vector<int64_t> out_counts;   // elements received from each rank (all_to_all)
+  std::vector<P2PItem> p2p;          // send, recv, batch_p2p
+  int color = -1, key = 0;           // split
+  bool async = false;
+  Signature sig;
+};
+
+/// Shared state behind a Work. Host backends complete it with mark_done / mark_failed from the
+/// thread that ran the op; device backends override poll/block for event-based completion.
+class WorkState {
+ public:
+  WorkState(OpDesc desc, std::chrono::milliseconds timeout);
+  virtual ~WorkState();
+  WorkState(const WorkState&) = delete;
+  WorkState& operator=(const WorkState&) = delete;
+
+  const OpDesc desc;
+  const std::chrono::milliseconds timeout;
+  const Clock::time_point issued;
+  const Clock::time_point deadline;
+  std::vector<Tensor> keep;                       // buffers that must outlive the op
+  std::vector<std::function<void()>> copy_back;   // run once after completion, by finish()
+
+  /// Marks success (no effect once finished).
+  void mark_done();
+  /// Marks failure with the error message later thrown by wait() (no effect once finished).
+  void mark_failed(std::string message);
+  bool done_flag() const { return status_.load(std::memory_order_acquire) != 0; }
+  bool failed() const { return status_.load(std::memory_order_acquire) == 2; }
+  std::string error() const;
+
+  /// True once finished; may advance the op (MPI requests, CUDA events). Never blocks.
+  virtual bool poll();
+  /// Blocks the host until finished or `until`; true when finished.
+  virtual bool block_until(std::optional<Clock::time_point> until);
+  /// What Work::wait() does before finish(): blocks the host (NCCL: makes the current stream wait).
+  virtual void wait_for_use() { block_until(std::nullopt); }
+  /// Throws the op's error, else runs the copy-backs (once).
+  void finish();
+
+ protected:
+  std::atomic<int> status_{0};  // 0 pending, 1 done, 2 failed
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::string error_;
+  bool copied_back_ = false;
+};
+
+/// Runs a communicator's collectives one at a time in issue order: inline on the caller when
+/// nothing is queued and the call is synchronous (no hand-off latency), otherwise on a worker
+/// thread, so async work progresses without the caller polling and every backend call happens
+/// in the same order on every rank.
+class OpExecutor {
+ public:
+  using Body = std::function<void()>;
+  OpExecutor() = default;
+  ~OpExecutor();
+  OpExecutor(const OpExecutor&) = delete;
+  OpExecutor& operator=(const OpExecutor&) = delete;
+
+  /// Runs `body` for `w` after all earlier submissions; a throw marks `w` failed.
+  void submit(const std::shared_ptr<WorkState>& w, Body body, bool async);
+  /// Blocks until every submitted body has run.
+  void drain();
+  /// Drains, then stops the worker thread.
+  void stop();
+
+ private:
+  static void run(const std::shared_ptr<WorkState>& w, Body& body);
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::shared_ptr<WorkState>, Body>> queue_;
+  bool busy_ = false, stopping_ = false;
+  std::thread worker_;
+};
+
+/// Progress of one communicator on this rank, read by the watchdog and by peers' watchdogs
+/// (through the backend's side channel). Values are collective sequence numbers.
+struct CommTrace {
+  std::string name;
+  uint64_t uid = 0;              // stable_hash(name): equal on every member rank
+  std::vector<int> world_ranks;  // world rank of each member
+  std::atomic<uint64_t> issued{0}, started{0}, completed{0};
+  std::atomic<int> started_kind{-1};  // OpKind of `started`
+};
+
+namespace watchdog {
+/// What the backend plugs in; every hook runs on the watchdog thread.
+struct Hooks {
+  std::function<void()> tick;  // called every tick (serves peers' queries)
+  /// Asks the members of the work's communicator how far they got; returns the text that
+  /// names the ranks that had not arrived.
+  std::function<std::string(const WorkState&, const CommTrace&)> who_is_missing;
+  std::function<void()> abort_job;  // never returns
+};
+/// Starts the watchdog thread (no-op when running); later calls replace the hooks.
+void start(Hooks hooks);
+/// Stops and joins the thread (pending watched works are dropped).
+void stop();
+/// Watches `w`: when it is not complete by its deadline, the job is aborted with a message.
+void watch(const std::shared_ptr<WorkState>& w, const std::shared_ptr<CommTrace>& trace);
+/// Runs before abort_job when the watchdog fires (NCCL: ncclCommAbort); returns an id.
+uint64_t add_abort_hook(std::function<void()> f);
+void remove_abort_hook(uint64_t id);
+/// Makes the trace findable by uid for the side channel (weakly held).
+void register_trace(const std::shared_ptr<CommTrace>& t);
+std::shared_ptr<CommTrace> find_trace(uint64_t uid);
+/// The works currently watched (tests and finalize use it).
+size_t watched_count();
+/// Formats the reply of a member: "2 (last started all_reduce #4)".
+std::string describe_progress(int rank, uint64_t started, int started_kind, uint64_t completed);
+}  // namespace watchdog
+
+// ---- host kernels (collectives/host_reduce.cpp) ----
+/// dst[i] = op over s of srcs[s][i] (srcs may include dst); 16-bit floats accumulate in float.
+/// avg is treated as sum here (divide afterwards with divide_by).
+void reduce_many(DType dt, ReduceOp op, void* dst, const void* const* srcs, int nsrc, int64_t n);
+/// inout[i] = op(inout[i], in[i]).
+void combine_into(DType dt, ReduceOp op, void* inout, const void* in, int64_t n);
+/// data[i] /= divisor (integers truncate toward zero); bool is an error.
+void divide_by(DType dt, void* data, int64_t n, int divisor);
+
+// ---- misc ----
+/// "3 s", "250 ms", "1.5 s".
+std::string format_duration(std::chrono::milliseconds d);
+/// Rank printed in "[rank N]" prefixes (set by init_from_launcher; before that from the environment).
+void set_log_rank(int rank);
+int log_rank();
+
+/// The single-rank communicator used without a launcher (backend "local", threads underneath).
+std::shared_ptr<Communicator> make_local_communicator(const CommOptions& opts);
+
+// MPI bootstrap (collectives/mpi_backend.cpp).
+struct MpiWorld {
+  std::shared_ptr<Communicator> world;
+  LaunchInfo info;
+};
+/// MPI_Init_thread (unless already initialised), world communicator, local rank, watchdog.
+MpiWorld mpi_init_world(const CommOptions& opts, const std::string& launcher);
+/// Drains outstanding work, barrier, stops the watchdog, frees communicators, MPI_Finalize.
+void mpi_finalize_world();
+
+}  // namespace quilt::detail

@@ -1,0 +1,224 @@
+// Launch: detects the launcher from its environment, initialises MPI (or one local rank), picks
+// the GPU of the local rank, builds the world communicator; rank-prefixed logging.
+#include "collectives/launch.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+#include "collectives/internal.h"
+
+namespace quilt {
+namespace {
+
+struct LaunchState {
+  std::mutex mu;
+  bool initialized = false;
+  bool finalized = false;
+  bool mpi = false;
+  bool atexit_registered = false;
+  LaunchInfo info;
+  std::shared_ptr<Communicator> cpu_world;
+  std::shared_ptr<Communicator> world;
+};
+
+LaunchState& launch_state() {
+  static LaunchState* s = new LaunchState();  // never destroyed: used from atexit
+  return *s;
+}
+
+bool has_env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v;
+}
+
+// Which launcher started us, from the variables each one sets.
+std::string detect_launcher() {
+  if (const char* forced = std::getenv("QUILT_LAUNCHER"); forced && *forced) {
+    const std::string f = forced;
+    QUILT_CHECK(f == "mpi" || f == "none", "[launch] QUILT_LAUNCHER must be 'mpi' or 'none', got '", f, "'");
+    if (f == "none") return "none";
+  }
+  const bool slurm_step = has_env("SLURM_STEP_ID") || has_env("SLURM_STEPID");
+  if (has_env("OMPI_COMM_WORLD_SIZE")) return "mpirun";
+  if (has_env("PMIX_RANK") || has_env("PMI_RANK") || has_env("PMI_FD")) return slurm_step ? "srun" : "pmi";
+  if (slurm_step && has_env("SLURM_PROCID")) return "srun";
+  if (const char* forced = std::getenv("QUILT_LAUNCHER"); forced && std::string(forced) == "mpi") return "singleton";
+  return "none";
+}
+
+int env_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"})
+    if (const char* v = std::getenv(name); v && *v) return std::atoi(v);
+  return 0;
+}
+
+struct LogState {
+  std::mutex mu;
+  bool configured = false;
+  bool all = false;
+  std::vector<int> ranks{0};
+  int rank = -1;
+};
+
+LogState& log_state() {
+  static LogState* s = new LogState();
+  return *s;
+}
+
+bool selected(LogState& s, int rank) {
+  if (!s.configured) {
+    s.configured = true;
+    if (const char* v = std::getenv("QUILT_LOG_RANKS"); v && *v) {
+      const std::string text = v;
+      if (text == "all") {
+        s.all = true;
+      } else {
+        s.ranks.clear();
+        std::stringstream ss(text);
+        std::string item;
+        while (std::getline(ss, item, ','))
+          if (!item.empty()) s.ranks.push_back(std::atoi(item.c_str()));
+      }
+    }
+  }
+  return s.all || std::find(s.ranks.begin(), s.ranks.end(), rank) != s.ranks.end();
+}
+
+void write_line(int rank, const std::string& message) {
+  // One write per line so ranks sharing a terminal do not interleave mid-line.
+  const std::string line = detail::concat("[rank ", rank, "] ", message, "\n");
+  std::fwrite(line.data(), 1, line.size(), stderr);
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+namespace detail {
+void set_log_rank(int rank) {
+  std::lock_guard lk(log_state().mu);
+  log_state().rank = rank;
+}
+int log_rank() {
+  std::lock_guard lk(log_state().mu);
+  return log_state().rank >= 0 ? log_state().rank : env_rank();
+}
+}  // namespace detail
+
+void set_log_ranks(std::vector<int> ranks) {
+  LogState& s = log_state();
+  std::lock_guard lk(s.mu);
+  s.configured = true;
+  s.all = false;
+  s.ranks = std::move(ranks);
+}
+
+void set_log_all_ranks() {
+  LogState& s = log_state();
+  std::lock_guard lk(s.mu);
+  s.configured = true;
+  s.all = true;
+}
+
+void log_text(const std::string& message) {
+  LogState& s = log_state();
+  int rank = 0;
+  {
+    std::lock_guard lk(s.mu);
+    rank = s.rank >= 0 ? s.rank : env_rank();
+    if (!selected(s, rank)) return;
+  }
+  write_line(rank, message);
+}
+
+void log_text_every_rank(const std::string& message) { write_line(detail::log_rank(), message); }
+
+const LaunchInfo& init_from_launcher(const LaunchOptions& opts) {
+  LaunchState& s = launch_state();
+  std::lock_guard lk(s.mu);
+  if (s.initialized) return s.info;
+  QUILT_CHECK(!s.finalized, "[launch] init_from_launcher() after finalize(): MPI cannot be initialised twice");
+  const std::string launcher = detect_launcher();
+  if (launcher == "none") {
+    s.cpu_world = detail::make_local_communicator(opts.comm);
+    s.info = LaunchInfo{};
+  } else {
+    detail::MpiWorld w = detail::mpi_init_world(opts.comm, launcher);
+    s.cpu_world = w.world;
+    s.info = w.info;
+    s.mpi = true;
+  }
+  detail::set_log_rank(s.info.rank);
+  if (cuda::is_available() && cuda::device_count() > 0) {
+    s.info.device = Device::cuda(s.info.local_rank % cuda::device_count());
+    cuda::set_device(s.info.device.index);
+  }
+  bool use_nccl = false;
+  switch (opts.backend) {
+    case WorldBackend::automatic: use_nccl = s.info.device.is_cuda() && nccl_available(); break;
+    case WorldBackend::mpi: use_nccl = false; break;
+    case WorldBackend::nccl:
+      QUILT_CHECK(nccl_available() && s.info.device.is_cuda(), "[launch] the nccl backend was asked for, but ",
+                  s.info.device.is_cuda() ? "this build has no NCCL" : "rank has no usable GPU: " + cuda::unavailable_reason());
+      use_nccl = true;
+      break;
+  }
+  s.world = use_nccl ? make_nccl_communicator(*s.cpu_world, s.info.device, opts.comm) : s.cpu_world;
+  s.initialized = true;
+  if (!s.atexit_registered) {
+    s.atexit_registered = true;
+    std::atexit([] {
+      try {
+        finalize();
+      } catch (const std::exception& e) {
+        log_text_every_rank(detail::concat("[launch] finalize at exit failed: ", e.what()));
+      }
+    });
+  }
+  return s.info;
+}
+
+bool is_initialized() {
+  std::lock_guard lk(launch_state().mu);
+  return launch_state().initialized;
+}
+
+const LaunchInfo& launch_info() {
+  LaunchState& s = launch_state();
+  std::lock_guard lk(s.mu);
+  QUILT_CHECK(s.initialized, "[launch] launch_info() before init_from_launcher()");
+  return s.info;
+}
+
+std::shared_ptr<Communicator> world_ptr() {
+  if (!is_initialized()) init_from_launcher();
+  LaunchState& s = launch_state();
+  std::lock_guard lk(s.mu);
+  QUILT_CHECK(s.world, "[launch] the world communicator is gone: finalize() has run");
+  return s.world;
+}
+
+Communicator& world() { return *world_ptr(); }
+
+Communicator& cpu_world() {
+  if (!is_initialized()) init_from_launcher();
+  LaunchState& s = launch_state();
+  std::lock_guard lk(s.mu);
+  QUILT_CHECK(s.cpu_world, "[launch] the world communicator is gone: finalize() has run");
+  return *s.cpu_world;
+}
+
+void finalize() {
+  LaunchState& s = launch_state();
+  std::lock_guard lk(s.mu);
+  if (!s.initialized || s.finalized) return;
+  s.world.reset();
+  if (s.mpi) detail::mpi_finalize_world();
+  s.cpu_world.reset();
+  s.finalized = true;
+  s.initialized = false;
+}
+
+}  // namespace quilt

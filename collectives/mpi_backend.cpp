@@ -1,0 +1,661 @@
+// The MPI backend and the MPI bootstrap of every launch.
+//
+// Execution: each communicator runs its collectives in issue order on an OpExecutor, as
+// blocking MPI calls (inline on the caller when synchronous and idle, else on the executor's
+// worker thread). Blocking calls get Open MPI's tuned algorithms (its non-blocking ones go
+// through a slower generic schedule), async work progresses without the caller polling, and a
+// rank mixing async and sync calls still matches its peers. Point-to-point ops use
+// MPI_Isend/MPI_Irecv directly, so a pipeline's sends and receives never queue behind each other.
+// 16-bit floats reduce through user-defined MPI_Ops that add in float, not as raw bytes.
+//
+// Side channel for the watchdog: at start-up every rank duplicates MPI_COMM_WORLD into a
+// "watch" communicator used only by the watchdog threads. Each watchdog keeps a receive posted
+// there for queries; a rank whose op times out sends every member of the op's communicator a
+// query naming it, and each member replies (from its own watchdog thread, even while its main
+// thread is blocked inside MPI) with how far it got on that communicator: the last collective
+// issued, started and completed. Members that do not answer within a grace period are reported
+// as such (stopped or dead). Point-to-point on a dedicated communicator keeps working across
+// hosts (unlike files in /dev/shm) and needs no progress on the target for one-sided windows to
+// answer; it requires MPI_THREAD_MULTIPLE, without which the watchdog still aborts but cannot
+// say who is missing.
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+
+#include "collectives/internal.h"
+#include "engine/random.h"
+
+#define QUILT_CHECK_MPI(call)                                                           \
+  do {                                                                                  \
+    const int quilt_mpi_rc_ = (call);                                                   \
+    if (quilt_mpi_rc_ != MPI_SUCCESS) ::quilt::detail::throw_mpi_error(quilt_mpi_rc_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+namespace quilt::detail {
+namespace {
+
+[[noreturn]] void throw_mpi_error(int rc, const char* expr, const char* file, int line) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  std::string f(file);
+  const size_t at = f.rfind("/collectives/");
+  fail("[mpi] ", expr, " failed: ", text, " at ", at == std::string::npos ? f : f.substr(at + 1), ":", line);
+}
+
+constexpr int kQueryTag = 7001;
+constexpr int kReplyTag = 7002;
+constexpr auto kQueryGrace = std::chrono::milliseconds(2000);
+
+struct Query {
+  uint64_t uid = 0;
+};
+struct Reply {
+  uint64_t uid = 0;
+  uint64_t found = 0;
+  uint64_t issued = 0, started = 0, completed = 0;
+  int64_t started_kind = -1;
+};
+
+class MpiCommunicator;
+
+// Process-wide MPI state (created by mpi_init_world, torn down by mpi_finalize_world).
+struct Globals {
+  bool initialized = false;
+  bool finalized = false;
+  bool we_initialized = false;
+  bool multiple = false;  // MPI_THREAD_MULTIPLE provided
+  int world_rank = 0;
+  int world_size = 1;
+  MPI_Comm watch = MPI_COMM_NULL;
+  MPI_Datatype bf16 = MPI_DATATYPE_NULL, f16 = MPI_DATATYPE_NULL;
+  MPI_Op op_sum = MPI_OP_NULL, op_max = MPI_OP_NULL, op_min = MPI_OP_NULL;
+  std::mutex mu;
+  std::vector<std::weak_ptr<MpiCommunicator>> comms;
+  // Responder state, touched only by the watchdog thread.
+  MPI_Request query_req = MPI_REQUEST_NULL;
+  Query query_buf;
+  std::vector<std::pair<MPI_Request, std::unique_ptr<Reply>>> replies;
+};
+
+Globals& g() {
+  static Globals* s = new Globals();
+  return *s;
+}
+
+// ---- dtypes and reduction ops ----
+void user_reduce(ReduceOp op, void* in, void* inout, int* len, MPI_Datatype* dt) {
+  const DType d = *dt == g().bf16 ? DType::bf16 : DType::f16;
+  combine_into(d, op, inout, in, *len);
+}
+void user_sum(void* in, void* inout, int* len, MPI_Datatype* dt) { user_reduce(ReduceOp::sum, in, inout, len, dt); }
+void user_max(void* in, void* inout, int* len, MPI_Datatype* dt) { user_reduce(ReduceOp::max, in, inout, len, dt); }
+void user_min(void* in, void* inout, int* len, MPI_Datatype* dt) { user_reduce(ReduceOp::min, in, inout, len, dt); }
+
+MPI_Datatype mpi_type(DType dt) {
+  switch (dt) {
+    case DType::f32: return MPI_FLOAT;
+    case DType::f64: return MPI_DOUBLE;
+    case DType::i32: return MPI_INT32_T;
+    case DType::i64: return MPI_INT64_T;
+    case DType::b8: return MPI_UINT8_T;
+    case DType::bf16: return g().bf16;
+    case DType::f16: return g().f16;
+  }
+  return MPI_BYTE;
+}
+
+MPI_Op mpi_op(DType dt, ReduceOp op) {
+  const bool half = dt == DType::bf16 || dt == DType::f16;
+  if (dt == DType::b8) return op == ReduceOp::min ? MPI_MIN : MPI_MAX;  // or / and on 0-1 bytes
+  switch (op) {
+    case ReduceOp::max: return half ? g().op_max : MPI_MAX;
+    case ReduceOp::min: return half ? g().op_min : MPI_MIN;
+    default: return half ? g().op_sum : MPI_SUM;  // avg divides afterwards
+  }
+}
+
+int to_count(int64_t n, const OpDesc& d) {
+  QUILT_CHECK(n <= INT_MAX, "[", op_kind_name(d.kind), "] ", d.short_str(), ": ", n,
+              " elements exceed the MPI backend's limit of 2^31-1 per call; split the tensor");
+  return int(n);
+}
+
+std::vector<int> to_counts(const std::vector<int64_t>& v, const OpDesc& d) {
+  std::vector<int> out;
+  for (int64_t x : v) out.push_back(to_count(x, d));
+  return out;
+}
+
+std::vector<int> displacements(const std::vector<int>& counts, const OpDesc& d) {
+  std::vector<int> out(counts.size());
+  int64_t at = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    out[i] = to_count(at, d);
+    at += counts[i];
+  }
+  return out;
+}
+
+std::vector<int> world_ranks_of(MPI_Comm comm) {
+  MPI_Group grp, world_grp;
+  int n = 0;
+  MPI_Comm_size(comm, &n);
+  MPI_Comm_group(comm, &grp);
+  MPI_Comm_group(MPI_COMM_WORLD, &world_grp);
+  std::vector<int> mine(static_cast<size_t>(n)), out(static_cast<size_t>(n));
+  std::iota(mine.begin(), mine.end(), 0);
+  MPI_Group_translate_ranks(grp, n, mine.data(), world_grp, out.data());
+  MPI_Group_free(&grp);
+  MPI_Group_free(&world_grp);
+  return out;
+}
+
+// ---- point-to-point work: MPI requests tested by whoever gets there first ----
+class MpiP2PWork final : public WorkState {
+ public:
+  MpiP2PWork(OpDesc d, std::chrono::milliseconds t) : WorkState(std::move(d), t) {}
+  std::vector<MPI_Request> reqs;
+  std::vector<int> expected;  // per request: elements a receive expects, -1 for sends
+  std::vector<MPI_Datatype> types;
+  std::vector<int> peers;
+  bool use_mpi_from_any_thread = true;
+
+  bool poll() override {
+    if (done_flag()) return true;
+    if (!use_mpi_from_any_thread) return false;
+    std::unique_lock lk(req_mu_, std::try_to_lock);
+    if (!lk.owns_lock() || done_flag()) return done_flag();
+    std::vector<MPI_Status> st(reqs.size());
+    int flag = 0;
+    const int rc = MPI_Testall(int(reqs.size()), reqs.data(), &flag, st.data());
+    if (rc != MPI_SUCCESS || flag) complete(rc, st);
+    return done_flag();
+  }
+
+  bool block_until(std::optional<Clock::time_point> until) override {
+    if (done_flag()) return true;
+    if (!until) {
+      std::lock_guard lk(req_mu_);
+      if (done_flag()) return true;
+      std::vector<MPI_Status> st(reqs.size());
+      const int rc = MPI_Waitall(int(reqs.size()), reqs.data(), st.data());
+      complete(rc, st);
+      return true;
+    }
+    while (Clock::now() < *until) {
+      if (poll()) return true;
+      std::this_thread::yield();
+    }
+    return poll();
+  }
+
+ private:
+  void complete(int rc, std::vector<MPI_Status>& st) {
+    if (rc != MPI_SUCCESS) {
+      char text[MPI_MAX_ERROR_STRING] = {};
+      int len = 0;
+      int err = rc;
+      for (auto& s : st)
+        if (s.MPI_ERROR != MPI_SUCCESS && s.MPI_ERROR != MPI_ERR_PENDING) err = s.MPI_ERROR;
+      MPI_Error_string(err, text, &len);
+      mark_failed(concat("[", op_kind_name(desc.kind), "] ", desc.str(), " failed: ", text,
+                         err == MPI_ERR_TRUNCATE ? " (the matching send has more elements than the receive)" : ""));
+      return;
+    }
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if (expected[i] < 0) continue;
+      int got = 0;
+      MPI_Get_count(&st[i], types[i], &got);
+      if (got != expected[i]) {
+        mark_failed(concat("[recv] ", desc.str(), ": rank ", peers[i], " sent ", got, " elements but the receive expects ",
+                           expected[i]));
+        return;
+      }
+    }
+    mark_done();
+  }
+  std::mutex req_mu_;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, std::string name, int rank, int size, const CommOptions& opts)
+      : Communicator("mpi", name, rank, size, Device::cpu(), opts), comm_(comm), opts_(opts) {
+    trace_ = std::make_shared<CommTrace>();
+    trace_->name = name;
+    trace_->uid = stable_hash(name);
+    trace_->world_ranks = world_ranks_of(comm);
+    watchdog::register_trace(trace_);
+  }
+
+  ~MpiCommunicator() override { shutdown(); }
+
+  // Finishes queued work and releases the MPI communicator (before MPI_Finalize).
+  void shutdown() {
+    exec_.stop();
+    if (comm_ != MPI_COMM_NULL && !g().finalized) MPI_Comm_free(&comm_);
+    comm_ = MPI_COMM_NULL;
+  }
+  void drain() { exec_.drain(); }
+  MPI_Comm handle() const { return comm_; }
+
+  static std::shared_ptr<MpiCommunicator> create(MPI_Comm comm, const std::string& name, const CommOptions& opts) {
+    QUILT_CHECK_MPI(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    int rank = 0, size = 1;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    auto c = std::make_shared<MpiCommunicator>(comm, name, rank, size, opts);
+    std::lock_guard lk(g().mu);
+    std::erase_if(g().comms, [](const auto& w) { return w.expired(); });
+    g().comms.push_back(c);
+    return c;
+  }
+
+ protected:
+  std::shared_ptr<WorkState> start(OpCall c) override {
+    QUILT_CHECK(comm_ != MPI_COMM_NULL, "[", op_kind_name(c.desc.kind), "] communicator ", name(),
+                " was used after finalize()");
+    if (!is_collective(c.desc.kind)) return start_p2p(c);
+    trace_->issued.store(c.desc.seq);
+    auto w = std::make_shared<WorkState>(c.desc, timeout());
+    watchdog::watch(w, trace_);
+    const bool dbg = debug_checks();
+    // Without MPI_THREAD_MULTIPLE only the caller's thread may call MPI: run everything inline.
+    const bool async = c.async && g().multiple;
+    exec_.submit(w, [this, c = std::move(c), dbg]() mutable { run(c, dbg); }, async);
+    return w;
+  }
+
+  std::shared_ptr<Communicator> do_split(int color, int key, uint64_t seq) override {
+    OpCall c;
+    c.desc.kind = OpKind::split;
+    c.desc.seq = seq;
+    c.desc.comm = name();
+    c.desc.rank = rank();
+    c.sig.seq = seq;
+    c.sig.kind = int32_t(OpKind::split);
+    c.sig.ndim = -1;
+    trace_->issued.store(seq);
+    auto w = std::make_shared<WorkState>(c.desc, timeout());
+    watchdog::watch(w, trace_);
+    auto result = std::make_shared<std::shared_ptr<Communicator>>();
+    const bool dbg = debug_checks();
+    const std::string child = child_name(seq, color);
+    exec_.submit(w, [this, c, dbg, color, key, child, result]() mutable {
+      Progress p(*trace_, c.desc);
+      if (dbg) debug_check(c);
+      MPI_Comm sub = MPI_COMM_NULL;
+      QUILT_CHECK_MPI(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub));
+      if (sub != MPI_COMM_NULL) *result = create(sub, child, opts_);
+    }, false);
+    Work(w).wait();
+    return *result;
+  }
+
+ private:
+  // Marks the op started on entry and completed on exit, for the watchdog's side channel.
+  struct Progress {
+    CommTrace& t;
+    uint64_t seq;
+    Progress(CommTrace& tr, const OpDesc& d) : t(tr), seq(d.seq) {
+      t.started_kind.store(int(d.kind));
+      t.started.store(d.seq);
+    }
+    ~Progress() { t.completed.store(seq); }
+  };
+
+  void debug_check(const OpCall& c) {
+    std::vector<Signature> all(static_cast<size_t>(size()));
+    QUILT_CHECK_MPI(MPI_Allgather(&c.sig, int(sizeof(Signature)), MPI_BYTE, all.data(), int(sizeof(Signature)),
+                                  MPI_BYTE, comm_));
+    check_signatures(all, c.desc);
+  }
+
+  void run(OpCall& c, bool dbg) {
+    Progress p(*trace_, c.desc);
+    if (dbg) debug_check(c);
+    const OpDesc& d = c.desc;
+    const DType dt = d.dtype;
+    const MPI_Datatype type = mpi_type(dt);
+    void* out = c.out.defined() ? c.out.data_ptr() : nullptr;
+    const void* in = c.in.defined() ? c.in.data_ptr() : nullptr;
+    switch (d.kind) {
+      case OpKind::all_reduce:
+        QUILT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, out, to_count(c.out.numel(), d), type, mpi_op(dt, *d.rop), comm_));
+        if (*d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
+        break;
+      case OpKind::broadcast:
+        QUILT_CHECK_MPI(MPI_Bcast(out, to_count(c.out.numel(), d), type, d.root, comm_));
+        break;
+      case OpKind::reduce:
+        if (rank() == d.root) {
+          QUILT_CHECK_MPI(MPI_Reduce(MPI_IN_PLACE, out, to_count(c.out.numel(), d), type, mpi_op(dt, *d.rop), d.root, comm_));
+          if (*d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
+        } else {
+          QUILT_CHECK_MPI(MPI_Reduce(in, nullptr, to_count(c.in.numel(), d), type, mpi_op(dt, *d.rop), d.root, comm_));
+        }
+        break;
+      case OpKind::all_gather:
+        QUILT_CHECK_MPI(MPI_Allgather(in, to_count(c.in.numel(), d), type, out, to_count(c.in.numel(), d), type, comm_));
+        break;
+      case OpKind::all_gather_v: {
+        const std::vector<int> counts = to_counts(c.in_counts, d);
+        const std::vector<int> displs = displacements(counts, d);
+        QUILT_CHECK_MPI(MPI_Allgatherv(in, counts[size_t(rank())], type, out, counts.data(), displs.data(), type, comm_));
+        break;
+      }
+      case OpKind::reduce_scatter:
+        QUILT_CHECK_MPI(MPI_Reduce_scatter_block(in, out, to_count(c.out.numel(), d), type, mpi_op(dt, *d.rop), comm_));
+        if (*d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
+        break;
+      case OpKind::reduce_scatter_v: {
+        const std::vector<int> counts = to_counts(c.in_counts, d);
+        displacements(counts, d);  // checks the total fits an int
+        QUILT_CHECK_MPI(MPI_Reduce_scatter(in, out, counts.data(), type, mpi_op(dt, *d.rop), comm_));
+        if (*d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
+        break;
+      }
+      case OpKind::all_to_all: {
+        const std::vector<int> sc = to_counts(c.in_counts, d), rc = to_counts(c.out_counts, d);
+        const bool even = std::all_of(sc.begin(), sc.end(), [&](int k) { return k == sc[0]; }) &&
+                          std::all_of(rc.begin(), rc.end(), [&](int k) { return k == sc[0]; });
+        if (even) {  // the tuned all-to-all beats the vector form when every block has one size
+          QUILT_CHECK_MPI(MPI_Alltoall(in, sc[0], type, out, sc[0], type, comm_));
+          break;
+        }
+        const std::vector<int> sd = displacements(sc, d), rd = displacements(rc, d);
+        QUILT_CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), type, out, rc.data(), rd.data(), type, comm_));
+        break;
+      }
+      case OpKind::barrier:
+        QUILT_CHECK_MPI(MPI_Barrier(comm_));
+        break;
+      default:
+        fail("[mpi] unexpected op ", op_kind_name(d.kind));
+    }
+  }
+
+  std::shared_ptr<WorkState> start_p2p(OpCall& c) {
+    auto w = std::make_shared<MpiP2PWork>(c.desc, timeout());
+    w->use_mpi_from_any_thread = g().multiple;
+    for (P2PItem& it : c.p2p) {
+      const MPI_Datatype type = mpi_type(it.tensor.dtype());
+      const int n = to_count(it.tensor.numel(), c.desc);
+      MPI_Request r = MPI_REQUEST_NULL;
+      if (it.is_send) QUILT_CHECK_MPI(MPI_Isend(it.tensor.data_ptr(), n, type, it.peer, it.tag, comm_, &r));
+      else QUILT_CHECK_MPI(MPI_Irecv(it.tensor.data_ptr(), n, type, it.peer, it.tag, comm_, &r));
+      w->reqs.push_back(r);
+      w->expected.push_back(it.is_send ? -1 : n);
+      w->types.push_back(type);
+      w->peers.push_back(it.peer);
+      w->keep.push_back(it.tensor);
+    }
+    watchdog::watch(w, trace_);
+    return w;
+  }
+
+  MPI_Comm comm_;
+  CommOptions opts_;
+  std::shared_ptr<CommTrace> trace_;
+  OpExecutor exec_;
+};
+
+// ---- the side channel (runs on the watchdog thread) ----
+void post_query_recv() {
+  MPI_Irecv(&g().query_buf, int(sizeof(Query)), MPI_BYTE, MPI_ANY_SOURCE, kQueryTag, g().watch, &g().query_req);
+}
+
+Reply local_reply(uint64_t uid) {
+  Reply r;
+  r.uid = uid;
+  if (auto t = watchdog::find_trace(uid)) {
+    r.found = 1;
+    r.issued = t->issued.load();
+    r.started = t->started.load();
+    r.completed = t->completed.load();
+    r.started_kind = t->started_kind.load();
+  }
+  return r;
+}
+
+// Answers peers' queries and forgets replies that have been delivered.
+void serve_queries() {
+  Globals& s = g();
+  for (;;) {
+    int flag = 0;
+    MPI_Status st;
+    if (s.query_req == MPI_REQUEST_NULL) post_query_recv();
+    if (MPI_Test(&s.query_req, &flag, &st) != MPI_SUCCESS || !flag) break;
+    auto reply = std::make_unique<Reply>(local_reply(s.query_buf.uid));
+    MPI_Request r = MPI_REQUEST_NULL;
+    MPI_Isend(reply.get(), int(sizeof(Reply)), MPI_BYTE, st.MPI_SOURCE, kReplyTag, s.watch, &r);
+    s.replies.emplace_back(r, std::move(reply));
+    post_query_recv();
+  }
+  std::erase_if(s.replies, [](auto& p) {
+    int flag = 0;
+    MPI_Test(&p.first, &flag, MPI_STATUS_IGNORE);
+    return flag != 0;
+  });
+}
+
+std::string who_is_missing(const WorkState& w, const CommTrace& t) {
+  Globals& s = g();
+  const size_t n = t.world_ranks.size();
+  // Heap buffers that are never freed: the job is aborted right after, possibly while a late
+  // reply or a query is still in flight, and MPI must not write into a dead stack frame.
+  auto& replies = *new std::vector<Reply>(n);
+  auto& recv = *new std::vector<MPI_Request>(n, MPI_REQUEST_NULL);
+  auto& send = *new std::vector<MPI_Request>(n, MPI_REQUEST_NULL);
+  std::vector<char> answered(n, 0);
+  Query& q = *new Query;
+  q.uid = t.uid;
+  // A collective asks every member; a single send/recv asks its peer only.
+  const bool collective = is_collective(w.desc.kind);
+  const bool single_p2p = w.desc.kind == OpKind::send || w.desc.kind == OpKind::recv;
+  auto asked = [&](size_t i) { return !single_p2p || int(i) == w.desc.root; };
+  for (size_t i = 0; i < n; ++i) {
+    const int wr = t.world_ranks[i];
+    if (!asked(i)) {
+      answered[i] = 1;
+      continue;
+    }
+    if (wr == s.world_rank) {
+      replies[i] = local_reply(t.uid);
+      answered[i] = 1;
+      continue;
+    }
+    MPI_Irecv(&replies[i], int(sizeof(Reply)), MPI_BYTE, wr, kReplyTag, s.watch, &recv[i]);
+    MPI_Isend(&q, int(sizeof(Query)), MPI_BYTE, wr, kQueryTag, s.watch, &send[i]);
+  }
+  const auto until = Clock::now() + kQueryGrace;
+  while (Clock::now() < until) {
+    serve_queries();  // peers that time out at the same moment ask us too
+    bool all = true;
+    for (size_t i = 0; i < n; ++i) {
+      if (answered[i]) continue;
+      int flag = 0;
+      MPI_Test(&recv[i], &flag, MPI_STATUS_IGNORE);
+      if (flag) answered[i] = 1;
+      else all = false;
+    }
+    if (all) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::string missing, present;
+  for (size_t i = 0; i < n; ++i) {
+    if (!asked(i)) continue;
+    const int wr = t.world_ranks[i];
+    const std::string who = wr == int(i) ? concat(i) : concat(i, " (world rank ", wr, ")");
+    std::string line;
+    if (!answered[i]) {
+      line = concat(who, " (did not answer within ", format_duration(kQueryGrace), ": stopped, dead or hung)");
+    } else if (!replies[i].found) {
+      line = t.name == "finalize" ? concat(who, " (has not reached finalize)")
+                                  : concat(who, " (has no communicator ", t.name, ": not created yet, or destroyed)");
+    } else if (!collective || replies[i].started < w.desc.seq) {
+      line = watchdog::describe_progress(int(i), replies[i].started, int(replies[i].started_kind), replies[i].completed);
+      if (wr != int(i)) line = concat("world rank ", wr, ": ", line);
+    } else if (replies[i].started_kind != int(w.desc.kind) && replies[i].started == w.desc.seq) {
+      line = concat(who, " (started ", op_kind_name(OpKind(replies[i].started_kind)), " #", replies[i].started,
+                    " instead)");
+    } else {
+      present += concat(present.empty() ? "" : ", ", i);
+      continue;
+    }
+    missing += concat(missing.empty() ? "" : ", ", line);
+  }
+  if (missing.empty()) return concat("none (ranks ", present, " all started it)");
+  return collective ? missing : concat("(point to point) ", missing);
+}
+
+std::string thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "single";
+    case MPI_THREAD_FUNNELED: return "funneled";
+    case MPI_THREAD_SERIALIZED: return "serialized";
+    case MPI_THREAD_MULTIPLE: return "multiple";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+MpiWorld mpi_init_world(const CommOptions& opts, const std::string& launcher) {
+  Globals& s = g();
+  QUILT_CHECK(!s.initialized, "[launch] MPI is already initialised by Quilt");
+  int inited = 0, provided = MPI_THREAD_SINGLE;
+  MPI_Initialized(&inited);
+  if (!inited) {
+    // QUILT_MPI_THREAD_LEVEL asks for less than MULTIPLE (to test the fallback, or for MPIs
+    // whose multi-threaded mode is slow).
+    int wanted = MPI_THREAD_MULTIPLE;
+    if (const char* env = std::getenv("QUILT_MPI_THREAD_LEVEL"); env && *env) {
+      const std::string lvl = env;
+      QUILT_CHECK(lvl == "single" || lvl == "funneled" || lvl == "serialized" || lvl == "multiple",
+                  "[launch] QUILT_MPI_THREAD_LEVEL must be single, funneled, serialized or multiple, got '", lvl, "'");
+      wanted = lvl == "single" ? MPI_THREAD_SINGLE
+               : lvl == "funneled" ? MPI_THREAD_FUNNELED
+               : lvl == "serialized" ? MPI_THREAD_SERIALIZED
+                                     : MPI_THREAD_MULTIPLE;
+    }
+    QUILT_CHECK_MPI(MPI_Init_thread(nullptr, nullptr, wanted, &provided));
+    s.we_initialized = true;
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  s.multiple = provided >= MPI_THREAD_MULTIPLE;
+  MPI_Comm_rank(MPI_COMM_WORLD, &s.world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &s.world_size);
+  set_log_rank(s.world_rank);
+
+  QUILT_CHECK_MPI(MPI_Type_contiguous(2, MPI_BYTE, &s.bf16));
+  QUILT_CHECK_MPI(MPI_Type_commit(&s.bf16));
+  QUILT_CHECK_MPI(MPI_Type_contiguous(2, MPI_BYTE, &s.f16));
+  QUILT_CHECK_MPI(MPI_Type_commit(&s.f16));
+  QUILT_CHECK_MPI(MPI_Op_create(&user_sum, 1, &s.op_sum));
+  QUILT_CHECK_MPI(MPI_Op_create(&user_max, 1, &s.op_max));
+  QUILT_CHECK_MPI(MPI_Op_create(&user_min, 1, &s.op_min));
+  QUILT_CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &s.watch));
+
+  MpiWorld out;
+  MPI_Comm local = MPI_COMM_NULL;
+  QUILT_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, s.world_rank, MPI_INFO_NULL, &local));
+  MPI_Comm_rank(local, &out.info.local_rank);
+  MPI_Comm_size(local, &out.info.local_size);
+  MPI_Comm_free(&local);
+  out.info.rank = s.world_rank;
+  out.info.world_size = s.world_size;
+  out.info.launcher = launcher;
+  out.info.mpi_thread_level = thread_level_name(provided);
+
+  MPI_Comm world = MPI_COMM_NULL;
+  QUILT_CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &world));
+  out.world = MpiCommunicator::create(world, "world", opts);
+  s.initialized = true;
+
+  watchdog::Hooks hooks;
+  if (s.multiple) {
+    hooks.tick = serve_queries;
+    hooks.who_is_missing = who_is_missing;
+  }
+  hooks.abort_job = [] { MPI_Abort(MPI_COMM_WORLD, 3); };
+  watchdog::start(std::move(hooks));
+  return out;
+}
+
+void mpi_finalize_world() {
+  Globals& s = g();
+  if (!s.initialized || s.finalized) return;
+  std::vector<std::shared_ptr<MpiCommunicator>> live;
+  {
+    std::lock_guard lk(s.mu);
+    for (auto& w : s.comms)
+      if (auto c = w.lock()) live.push_back(std::move(c));
+  }
+  for (auto& c : live) c->drain();  // under the watchdog: a stuck op still aborts
+
+  // A last barrier, watched like any collective, so a rank that finishes early waits here for
+  // the others (and is reported as "finished" if they are stuck) instead of in MPI_Finalize.
+  auto trace = std::make_shared<CommTrace>();
+  trace->name = "finalize";
+  trace->uid = stable_hash(trace->name);
+  trace->world_ranks.resize(size_t(s.world_size));
+  std::iota(trace->world_ranks.begin(), trace->world_ranks.end(), 0);
+  watchdog::register_trace(trace);
+  OpDesc d;
+  d.kind = OpKind::barrier;
+  d.seq = 1;
+  d.comm = "finalize";
+  d.rank = s.world_rank;
+  // Longer than an op's timeout: ranks stuck in a real collective fire first and name it.
+  const auto op_timeout = live.empty() ? resolved_timeout({}) : live.front()->timeout();
+  auto w = std::make_shared<WorkState>(d, op_timeout + std::chrono::seconds(5));
+  trace->issued.store(1);
+  trace->started_kind.store(int(OpKind::barrier));
+  trace->started.store(1);
+  watchdog::watch(w, trace);
+  if (s.multiple) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    MPI_Ibarrier(s.watch, &r);
+    int flag = 0;
+    while (!flag) {
+      MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+      if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  } else {
+    MPI_Barrier(s.watch);
+  }
+  trace->completed.store(1);
+  w->mark_done();
+
+  watchdog::stop();
+  if (s.query_req != MPI_REQUEST_NULL) {
+    MPI_Cancel(&s.query_req);
+    MPI_Wait(&s.query_req, MPI_STATUS_IGNORE);
+  }
+  for (auto& [r, buf] : s.replies) {
+    int flag = 0;
+    MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+    if (!flag) MPI_Request_free(&r);
+  }
+  s.replies.clear();
+  for (auto& c : live) c->shutdown();
+  live.clear();
+  MPI_Comm_free(&s.watch);
+  MPI_Op_free(&s.op_sum);
+  MPI_Op_free(&s.op_max);
+  MPI_Op_free(&s.op_min);
+  MPI_Type_free(&s.bf16);
+  MPI_Type_free(&s.f16);
+  s.finalized = true;
+  if (s.we_initialized) MPI_Finalize();
+}
+
+}  // namespace quilt::detail

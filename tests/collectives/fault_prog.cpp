@@ -1,0 +1,43 @@
+// Misbehaving ranks for the fault tests (run under mpiexec by expect_fail.sh): the last rank
+// skips a collective, is killed, stops itself, or (in debug mode) passes a different shape.
+// Every healthy run would finish at once; each fault must end the whole job non-zero, in
+// bounded time, with a message naming the op and the guilty rank.
+//
+//   mpiexec -n 3 collectives_fault skip|sigkill|sigstop|mismatch
+#include <csignal>
+#include <cstring>
+#include <string>
+
+#include "collectives/launch.h"
+#include "engine/engine.h"
+
+using namespace quilt;
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode != "skip" && mode != "sigkill" && mode != "sigstop" && mode != "mismatch") {
+    std::fprintf(stderr, "usage: collectives_fault skip|sigkill|sigstop|mismatch\n");
+    return 2;
+  }
+  init_from_launcher({.comm = {.debug_checks = mode == "mismatch"}});
+  Communicator& w = world();
+  const int victim = w.size() - 1;
+  try {
+    for (int i = 1; i <= 5; ++i) {
+      Tensor t = full({w.rank() == victim && mode == "mismatch" && i == 3 ? 5 : 4}, 1.0);
+      if (w.rank() == victim && i == 3) {
+        if (mode == "skip") continue;
+        if (mode == "sigkill") std::raise(SIGKILL);
+        if (mode == "sigstop") std::raise(SIGSTOP);
+      }
+      w.all_reduce(t);
+    }
+  } catch (const Error& e) {
+    log_line_every_rank("caught: ", e.what());
+    finalize();
+    return 4;
+  }
+  log_line_every_rank("finished all collectives");
+  finalize();
+  return 0;
+}

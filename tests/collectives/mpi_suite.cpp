@@ -1,0 +1,48 @@
+// The collectives suite under mpiexec: every rank runs it on the MPI world communicator, prints
+// its failures with "[rank N]", and the exit status is non-zero when any rank failed.
+//
+//   mpiexec -n 4 collectives_mpi_suite [--large N] [--debug]
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "collectives/launch.h"
+#include "engine/engine.h"
+#include "tests/collectives/suite.h"
+
+using namespace quilt;
+
+int main(int argc, char** argv) {
+  testing::SuiteConfig cfg;
+  bool debug = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--large") == 0 && i + 1 < argc) cfg.sizes.back() = std::atoll(argv[++i]);
+    else if (std::strcmp(argv[i], "--debug") == 0) debug = true;
+  }
+  const LaunchInfo& info = init_from_launcher({.comm = {.debug_checks = debug}});
+  Communicator& w = world();
+  std::vector<std::string> failures;
+
+  // The launch facts must agree with what mpiexec says (one host: every rank is local).
+  const char* env_size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (env_size && std::atoi(env_size) != info.world_size)
+    failures.push_back(detail::concat("[rank ", info.rank, "] world size ", info.world_size, " but mpiexec says ", env_size));
+  if (info.local_size != info.world_size || info.local_rank != info.rank || info.launcher != "mpirun")
+    failures.push_back(detail::concat("[rank ", info.rank, "] launch info: local rank ", info.local_rank, " of ",
+                                      info.local_size, ", launcher ", info.launcher));
+  if (w.backend() != "mpi" || w.rank() != info.rank || w.size() != info.world_size)
+    failures.push_back(detail::concat("[rank ", info.rank, "] world is ", w.backend(), " rank ", w.rank(), " of ", w.size()));
+
+  auto suite = testing::run_collectives_suite(w, cfg);
+  failures.insert(failures.end(), suite.begin(), suite.end());
+  for (const std::string& f : failures) std::fprintf(stderr, "%s\n", f.c_str());  // already "[rank N] ..."
+
+  Tensor bad = full({1}, double(failures.size()), {.dtype = DType::i64});
+  w.all_reduce(bad);
+  const int64_t total = bad.item<int64_t>();
+  log_line("collectives suite on ", w.size(), " MPI ranks (thread level ", info.mpi_thread_level,
+           debug ? ", debug checks" : "", "): ", total == 0 ? "all passed" : detail::concat(total, " failures"));
+  finalize();
+  return total == 0 ? 0 : 1;
+}
