@@ -1,5 +1,8 @@
 # Whole-run trainer tests under mpiexec (tests/tools/trainer_runs.sh): equivalence of layouts
 # with the one-rank loss curve, determinism, and bit-identical resume.
+if(NOT TARGET quilt_cli)  # tools not built: nothing to run
+  return()
+endif()
 add_executable(metrics_compare ${CMAKE_CURRENT_SOURCE_DIR}/tools/metrics_compare.cpp)
 target_link_libraries(metrics_compare PRIVATE nlohmann_json::nlohmann_json)
 set(_runs bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/trainer_runs.sh $<TARGET_FILE:quilt_cli> $<TARGET_FILE:metrics_compare>

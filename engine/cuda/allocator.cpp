@@ -1,0 +1,135 @@
+// The CUDA caching allocator: one CachingPool per device (engine/caching_pool.h) over
+// cudaMalloc/cudaFree and CUDA events, plus the per-device counters of engine/storage.h.
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/caching_pool.h"
+#include "engine/cuda/device_guard.h"
+#include "engine/device.h"
+#include "engine/error.h"
+#include "engine/storage.h"
+#include "kernels/cuda/check.cuh"
+
+namespace quilt {
+namespace {
+
+class CudaBackend final : public PoolBackend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+
+  void* malloc(size_t bytes) override {
+    cuda_detail::DeviceGuard g(device_);
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // not sticky: clear it so the retry and later calls start clean
+      return nullptr;
+    }
+    QUILT_CHECK_CUDA(err);
+    return p;
+  }
+  void free(void* ptr) override {
+    cuda_detail::DeviceGuard g(device_);
+    QUILT_CHECK_CUDA(cudaFree(ptr));
+  }
+  void* event_create() override {
+    cuda_detail::DeviceGuard g(device_);
+    cudaEvent_t e = nullptr;
+    QUILT_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  void event_destroy(void* ev) override { cudaEventDestroy(static_cast<cudaEvent_t>(ev)); }
+  void event_record(void* ev, void* stream) override {
+    QUILT_CHECK_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(ev), static_cast<cudaStream_t>(stream)));
+  }
+  bool event_query(void* ev) override {
+    const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(ev));
+    if (err == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    QUILT_CHECK_CUDA(err);
+    return true;
+  }
+  void event_synchronize(void* ev) override { QUILT_CHECK_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(ev))); }
+
+ private:
+  int device_;
+};
+
+class CudaAllocator final : public Allocator {
+ public:
+  explicit CudaAllocator(int device) : device_(device), backend_(device), pool_(backend_, "cuda:" + std::to_string(device)) {}
+
+  void* allocate(size_t bytes, const Stream& stream) override {
+    QUILT_CHECK(stream.device == Device::cuda(device_), "[cuda allocator] cuda:", device_,
+                " was asked for memory on a stream of ", stream.device.str());
+    return pool_.allocate(bytes, stream.handle);
+  }
+  // Runs from Storage's destructor, so it must not throw. The one expected failure is a
+  // tensor outliving the CUDA runtime at process exit; its memory goes with the process.
+  void deallocate(void* ptr, size_t, const Stream&) override {
+    try {
+      pool_.deallocate(ptr);
+    } catch (const std::exception& e) {
+      static std::once_flag warned;
+      std::call_once(warned, [&] { std::fprintf(stderr, "quilt: [cuda allocator] free failed: %s\n", e.what()); });
+    }
+  }
+  CachingPool& pool() { return pool_; }
+
+ private:
+  int device_;
+  CudaBackend backend_;
+  CachingPool pool_;
+};
+
+// One allocator per device, created on first use and never destroyed (tensors may outlive statics).
+std::mutex g_mu;
+std::vector<CudaAllocator*>& registry() {
+  static auto* r = new std::vector<CudaAllocator*>();
+  return *r;
+}
+
+CudaAllocator* existing(int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& r = registry();
+  return device >= 0 && device < int(r.size()) ? r[size_t(device)] : nullptr;
+}
+
+}  // namespace
+
+namespace cuda {
+
+Allocator* allocator(int device) {
+  QUILT_CHECK(is_available(), "[cuda] no CUDA allocator for cuda:", device, ": CUDA is not available (",
+              unavailable_reason(), ")");
+  QUILT_CHECK(device >= 0 && device < device_count(), "[cuda] no device cuda:", device, ": this process sees ",
+              device_count(), " CUDA device(s)");
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& r = registry();
+  if (r.size() < size_t(device_count())) r.resize(size_t(device_count()), nullptr);
+  if (!r[size_t(device)]) r[size_t(device)] = new CudaAllocator(device);
+  return r[size_t(device)];
+}
+
+MemoryStats memory_stats(int device) {
+  CudaAllocator* a = existing(device);
+  return a ? a->pool().stats() : MemoryStats{};
+}
+
+void empty_cache(int device) {
+  if (CudaAllocator* a = existing(device)) a->pool().empty_cache();
+}
+
+void reset_peak_memory(int device) {
+  if (CudaAllocator* a = existing(device)) a->pool().reset_peak();
+}
+
+}  // namespace cuda
+
+}  // namespace quilt

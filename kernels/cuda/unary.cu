@@ -1,0 +1,124 @@
+// CUDA unary elementwise ops and fill. Same formulas as kernels/cpu/elementwise.cpp, computed
+// in float for bf16/f16. Math ops exist for the floating dtypes only (the engine checks this
+// first); neg/abs/sign/square/relu also for integers, logical_not for every dtype.
+#include <cstring>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace quilt::kernels::cuda {
+namespace {
+
+constexpr double kInvSqrt2 = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+
+template <UnaryOp op, class C>
+__device__ __forceinline__ C unary_math(C x) {
+  if constexpr (op == UnaryOp::neg) return -x;
+  else if constexpr (op == UnaryOp::abs) return x < C(0) ? C(-x) : x;
+  else if constexpr (op == UnaryOp::sign) return C((C(0) < x) - (x < C(0)));
+  else if constexpr (op == UnaryOp::square) return x * x;
+  else if constexpr (op == UnaryOp::relu) return x > C(0) ? x : C(0);
+  else if constexpr (op == UnaryOp::exp) return m_exp(x);
+  else if constexpr (op == UnaryOp::log) return m_log(x);
+  else if constexpr (op == UnaryOp::sqrt) return m_sqrt(x);
+  else if constexpr (op == UnaryOp::rsqrt) return C(1) / m_sqrt(x);
+  else if constexpr (op == UnaryOp::tanh) return m_tanh(x);
+  else if constexpr (op == UnaryOp::sigmoid) return C(1) / (C(1) + m_exp(-x));
+  else if constexpr (op == UnaryOp::silu) return x / (C(1) + m_exp(-x));
+  else if constexpr (op == UnaryOp::gelu) return C(0.5) * x * (C(1) + m_erf(x * C(kInvSqrt2)));
+  else if constexpr (op == UnaryOp::gelu_grad)
+    return C(0.5) * (C(1) + m_erf(x * C(kInvSqrt2))) + x * C(kInvSqrt2Pi) * m_exp(C(-0.5) * x * x);
+  else if constexpr (op == UnaryOp::sin) return m_sin(x);
+  else if constexpr (op == UnaryOp::cos) return m_cos(x);
+  else return x;
+}
+
+template <UnaryOp op, class T>
+struct UnaryFn {
+  __device__ __forceinline__ auto operator()(T x) const {
+    if constexpr (op == UnaryOp::logical_not) return !static_cast<bool>(Num<T>::load(x));
+    else return Num<T>::store(unary_math<op>(Num<T>::load(x)));
+  }
+};
+
+template <UnaryOp op, class T>
+void run(const Loop<2>& l, cudaStream_t s) {
+  using O = std::conditional_t<op == UnaryOp::logical_not, bool, T>;
+  Elementwise<O, T>::launch(l, UnaryFn<op, T>{}, s);
+}
+
+const char* unary_name(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::neg: return "neg";
+    case UnaryOp::exp: return "exp";
+    case UnaryOp::log: return "log";
+    case UnaryOp::sqrt: return "sqrt";
+    case UnaryOp::rsqrt: return "rsqrt";
+    case UnaryOp::tanh: return "tanh";
+    case UnaryOp::sigmoid: return "sigmoid";
+    case UnaryOp::silu: return "silu";
+    case UnaryOp::gelu: return "gelu";
+    case UnaryOp::relu: return "relu";
+    case UnaryOp::abs: return "abs";
+    case UnaryOp::sign: return "sign";
+    case UnaryOp::sin: return "sin";
+    case UnaryOp::cos: return "cos";
+    case UnaryOp::square: return "square";
+    case UnaryOp::logical_not: return "logical_not";
+    case UnaryOp::gelu_grad: return "gelu_grad";
+  }
+  return "unary";
+}
+
+template <class T>
+void unary_typed(UnaryOp op, DType dt, const Loop<2>& l, cudaStream_t s) {
+  constexpr bool kFloat = is_float_v<T>;
+  constexpr bool kBool = std::is_same_v<T, bool>;
+  switch (op) {
+    case UnaryOp::logical_not: return run<UnaryOp::logical_not, T>(l, s);
+#define Q_INT(name) \
+    case UnaryOp::name: if constexpr (!kBool) return run<UnaryOp::name, T>(l, s); else break;
+    Q_INT(neg) Q_INT(abs) Q_INT(sign) Q_INT(square) Q_INT(relu)
+#undef Q_INT
+#define Q_FLOAT(name) \
+    case UnaryOp::name: if constexpr (kFloat) return run<UnaryOp::name, T>(l, s); else break;
+    Q_FLOAT(exp) Q_FLOAT(log) Q_FLOAT(sqrt) Q_FLOAT(rsqrt) Q_FLOAT(tanh) Q_FLOAT(sigmoid) Q_FLOAT(silu)
+    Q_FLOAT(gelu) Q_FLOAT(gelu_grad) Q_FLOAT(sin) Q_FLOAT(cos)
+#undef Q_FLOAT
+  }
+  fail_dtype(unary_name(op), dt);
+}
+
+template <class T>
+struct FillFn {
+  T v;
+  __device__ __forceinline__ T operator()() const { return v; }
+};
+
+}  // namespace
+
+void unary(UnaryOp op, DType dt, const Loop<2>& loop, void* stream) {
+  QUILT_DISPATCH_ALL(dt, [&] { unary_typed<scalar_t>(op, dt, loop, as_stream(stream)); });
+}
+
+void fill(DType dt, double value, const Loop<1>& loop, void* stream) {
+  QUILT_DISPATCH_ALL(dt, [&] {
+    using T = scalar_t;
+    // The value is converted on the host exactly as the CPU kernel converts it.
+    const T v = std::is_same_v<T, bool> ? T(value != 0) : T(static_cast<compute_t<T>>(value));
+    const int64_t n = loop.numel();
+    if (n == 0) return;
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, &v, sizeof(T));
+    bool splat = true;  // every byte equal: a memset does it
+    for (size_t i = 1; i < sizeof(T); ++i) splat = splat && bytes[i] == bytes[0];
+    if (loop.contiguous() && splat) {
+      QUILT_CHECK_CUDA(cudaMemsetAsync(loop.data[0], bytes[0], size_t(n) * sizeof(T), as_stream(stream)));
+      return;
+    }
+    Elementwise<T>::launch(loop, FillFn<T>{v}, as_stream(stream));
+  });
+}
+
+}  // namespace quilt::kernels::cuda
