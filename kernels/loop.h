@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 namespace quilt::kernels {
 
@@ -65,6 +66,19 @@ enum class UnaryOp : uint8_t {
 enum class BinaryOp : uint8_t {
   add, sub, mul, div, pow, maximum, minimum, eq, ne, lt, le, gt, ge, logical_and, logical_or
 };
+/// The op's name as users see it ("exp", "add", ...): errors from every layer use these.
+constexpr const char* op_name(UnaryOp op) {
+  constexpr const char* names[] = {"neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "silu", "gelu", "relu",
+                                   "abs", "sign", "sin", "cos", "square", "logical_not", "gelu_grad"};
+  return names[static_cast<int>(op)];
+}
+constexpr const char* op_name(BinaryOp op) {
+  constexpr const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq",
+                                   "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or"};
+  return names[static_cast<int>(op)];
+}
+static_assert(std::string_view(op_name(UnaryOp::gelu_grad)) == "gelu_grad", "op_name table out of step with UnaryOp");
+static_assert(std::string_view(op_name(BinaryOp::logical_or)) == "logical_or", "op_name table out of step with BinaryOp");
 /// True for ops whose result is bool.
 constexpr bool is_predicate(BinaryOp op) {
   return op == BinaryOp::eq || op == BinaryOp::ne || op == BinaryOp::lt || op == BinaryOp::le ||

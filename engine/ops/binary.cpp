@@ -15,27 +15,6 @@ namespace {
 
 using kernels::BinaryOp;
 
-const char* binary_name(BinaryOp op) {
-  switch (op) {
-    case BinaryOp::add: return "add";
-    case BinaryOp::sub: return "sub";
-    case BinaryOp::mul: return "mul";
-    case BinaryOp::div: return "div";
-    case BinaryOp::pow: return "pow";
-    case BinaryOp::maximum: return "maximum";
-    case BinaryOp::minimum: return "minimum";
-    case BinaryOp::eq: return "eq";
-    case BinaryOp::ne: return "ne";
-    case BinaryOp::lt: return "lt";
-    case BinaryOp::le: return "le";
-    case BinaryOp::gt: return "gt";
-    case BinaryOp::ge: return "ge";
-    case BinaryOp::logical_and: return "logical_and";
-    case BinaryOp::logical_or: return "logical_or";
-  }
-  return "binary";
-}
-
 int rank(DType t) {
   switch (t) {
     case DType::b8: return 0;
@@ -52,7 +31,7 @@ int rank(DType t) {
 class Binary final : public Primitive {
  public:
   explicit Binary(BinaryOp op) : op_(op) {}
-  const char* name() const override { return binary_name(op_); }
+  const char* name() const override { return kernels::op_name(op_); }
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& a = in[0];
@@ -151,7 +130,7 @@ class Where final : public Primitive {
 };
 
 Tensor run(BinaryOp op, const Tensor& a, const Tensor& b) {
-  const char* nm = binary_name(op);
+  const char* nm = kernels::op_name(op);
   QUILT_CHECK(a.defined() && b.defined(), "[", nm, "] got an undefined tensor");
   DType dt = promote_types(a.dtype(), b.dtype());
   if (op == BinaryOp::div && !is_floating(dt)) dt = DType::f32;

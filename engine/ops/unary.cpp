@@ -14,29 +14,6 @@ namespace {
 
 using kernels::UnaryOp;
 
-const char* unary_name(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::neg: return "neg";
-    case UnaryOp::exp: return "exp";
-    case UnaryOp::log: return "log";
-    case UnaryOp::sqrt: return "sqrt";
-    case UnaryOp::rsqrt: return "rsqrt";
-    case UnaryOp::tanh: return "tanh";
-    case UnaryOp::sigmoid: return "sigmoid";
-    case UnaryOp::silu: return "silu";
-    case UnaryOp::gelu: return "gelu";
-    case UnaryOp::relu: return "relu";
-    case UnaryOp::abs: return "abs";
-    case UnaryOp::sign: return "sign";
-    case UnaryOp::sin: return "sin";
-    case UnaryOp::cos: return "cos";
-    case UnaryOp::square: return "square";
-    case UnaryOp::logical_not: return "logical_not";
-    case UnaryOp::gelu_grad: return "gelu_grad";
-  }
-  return "unary";
-}
-
 bool needs_floating(UnaryOp op) {
   return !(op == UnaryOp::neg || op == UnaryOp::abs || op == UnaryOp::sign || op == UnaryOp::square ||
            op == UnaryOp::relu || op == UnaryOp::logical_not);
@@ -50,7 +27,7 @@ bool saves_output(UnaryOp op) {
 class Unary final : public Primitive {
  public:
   explicit Unary(UnaryOp op) : op_(op) {}
-  const char* name() const override { return unary_name(op_); }
+  const char* name() const override { return kernels::op_name(op_); }
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];

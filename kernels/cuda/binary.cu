@@ -53,27 +53,6 @@ void run(const Loop<3>& l, cudaStream_t s) {
   Elementwise<O, T, T>::launch(l, BinaryFn<op, T>{}, s);
 }
 
-const char* binary_name(BinaryOp op) {
-  switch (op) {
-    case BinaryOp::add: return "add";
-    case BinaryOp::sub: return "sub";
-    case BinaryOp::mul: return "mul";
-    case BinaryOp::div: return "div";
-    case BinaryOp::pow: return "pow";
-    case BinaryOp::maximum: return "maximum";
-    case BinaryOp::minimum: return "minimum";
-    case BinaryOp::eq: return "eq";
-    case BinaryOp::ne: return "ne";
-    case BinaryOp::lt: return "lt";
-    case BinaryOp::le: return "le";
-    case BinaryOp::gt: return "gt";
-    case BinaryOp::ge: return "ge";
-    case BinaryOp::logical_and: return "logical_and";
-    case BinaryOp::logical_or: return "logical_or";
-  }
-  return "binary";
-}
-
 // div and pow exist for the floating dtypes only: the engine computes them in f32 for integer
 // and bool inputs (engine/ops/binary.cpp), which keeps a dozen kernels out of the build.
 template <class T>
@@ -89,7 +68,7 @@ void binary_typed(BinaryOp op, DType dt, const Loop<3>& l, cudaStream_t s) {
       if constexpr (is_float_v<T>) return run<BinaryOp::pow, T>(l, s);
       break;
   }
-  fail_dtype(binary_name(op), dt);
+  fail_dtype(op_name(op), dt);
 }
 
 }  // namespace

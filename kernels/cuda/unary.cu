@@ -48,29 +48,6 @@ void run(const Loop<2>& l, cudaStream_t s) {
   Elementwise<O, T>::launch(l, UnaryFn<op, T>{}, s);
 }
 
-const char* unary_name(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::neg: return "neg";
-    case UnaryOp::exp: return "exp";
-    case UnaryOp::log: return "log";
-    case UnaryOp::sqrt: return "sqrt";
-    case UnaryOp::rsqrt: return "rsqrt";
-    case UnaryOp::tanh: return "tanh";
-    case UnaryOp::sigmoid: return "sigmoid";
-    case UnaryOp::silu: return "silu";
-    case UnaryOp::gelu: return "gelu";
-    case UnaryOp::relu: return "relu";
-    case UnaryOp::abs: return "abs";
-    case UnaryOp::sign: return "sign";
-    case UnaryOp::sin: return "sin";
-    case UnaryOp::cos: return "cos";
-    case UnaryOp::square: return "square";
-    case UnaryOp::logical_not: return "logical_not";
-    case UnaryOp::gelu_grad: return "gelu_grad";
-  }
-  return "unary";
-}
-
 template <class T>
 void unary_typed(UnaryOp op, DType dt, const Loop<2>& l, cudaStream_t s) {
   constexpr bool kFloat = is_float_v<T>;
@@ -87,7 +64,7 @@ void unary_typed(UnaryOp op, DType dt, const Loop<2>& l, cudaStream_t s) {
     Q_FLOAT(gelu) Q_FLOAT(gelu_grad) Q_FLOAT(sin) Q_FLOAT(cos)
 #undef Q_FLOAT
   }
-  fail_dtype(unary_name(op), dt);
+  fail_dtype(op_name(op), dt);
 }
 
 template <class T>
