@@ -363,12 +363,9 @@ class MpiCommunicator final : public Communicator {
       }
       case OpKind::all_to_all: {
         const std::vector<int> sc = to_counts(c.in_counts, d), rc = to_counts(c.out_counts, d);
-        const bool even = std::all_of(sc.begin(), sc.end(), [&](int k) { return k == sc[0]; }) &&
-                          std::all_of(rc.begin(), rc.end(), [&](int k) { return k == sc[0]; });
-        if (even) {  // the tuned all-to-all beats the vector form when every block has one size
-          QUILT_CHECK_MPI(MPI_Alltoall(in, sc[0], type, out, sc[0], type, comm_));
-          break;
-        }
+        // Always the vector form: whether every block has one size is a per-rank fact (a rank
+        // that sends and receives nothing sees "all equal"), and MPI_Alltoall on some ranks with
+        // MPI_Alltoallv on others never completes.
         const std::vector<int> sd = displacements(sc, d), rd = displacements(rc, d);
         QUILT_CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), type, out, rc.data(), rd.data(), type, comm_));
         break;

@@ -98,6 +98,7 @@ class Gather final : public Primitive {
  public:
   Gather(int64_t dim, bool check) : dim_(dim), check_(check) {}
   const char* name() const override { return "gather"; }
+  Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1];
     require_cpu(name(), in);
@@ -121,6 +122,7 @@ class ScatterAdd final : public Primitive {
  public:
   ScatterAdd(int64_t dim, bool check) : dim_(dim), check_(check) {}
   const char* name() const override { return "scatter_add"; }
+  Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1], &src = in[2];
     require_cpu(name(), in);
@@ -145,6 +147,7 @@ class IndexSelect final : public Primitive {
  public:
   IndexSelect(int64_t dim, bool check) : dim_(dim), check_(check) {}
   const char* name() const override { return "index_select"; }
+  Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1];
     require_cpu(name(), in);
@@ -170,6 +173,7 @@ class IndexAdd final : public Primitive {
  public:
   IndexAdd(int64_t dim, bool check) : dim_(dim), check_(check) {}
   const char* name() const override { return "index_add"; }
+  Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1], &src = in[2];
     require_cpu(name(), in);
@@ -195,6 +199,7 @@ class Cat final : public Primitive {
  public:
   explicit Cat(int64_t dim) : dim_(dim) {}
   const char* name() const override { return "cat"; }
+  Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     Shape shape = in[0].shape();
     int64_t total = 0;
@@ -233,6 +238,7 @@ class Sort final : public Primitive {
  public:
   Sort(const char* name, int64_t dim, int64_t k, bool descending) : name_(name), dim_(dim), k_(k), descending_(descending) {}
   const char* name() const override { return name_; }
+  Attrs attrs() const override { return {{"dim", dim_}, {"k", k_}, {"descending", descending_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
     require_cpu(name(), in);

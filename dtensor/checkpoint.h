@@ -1,0 +1,83 @@
+// Distributed checkpoints. A sharded save writes, per rank, one safetensors file of the shards
+// that rank owns (one copy of each block: replicas are written once) and then one index
+// (index.json: every tensor's global shape, dtype, placements and chunks with their offsets).
+// Everything goes to "<dir>.tmp" and becomes "<dir>" by one rename after every rank has
+// finished, so a crash never leaves a directory that looks complete. A load fills tensors of
+// any mesh, world size or placements (resharding), reading from each file only the byte runs
+// of the blocks a rank needs. Consolidated export/import speak Hugging Face's safetensors
+// layout (one file, or several plus model.safetensors.index.json).
+//
+//   dtensor::save_checkpoint(root + "/step-100", {{"w", w}, {"b", b}}, world());
+//   dtensor::load_checkpoint(dtensor::latest_checkpoint(root), {{"w", w2}, {"b", b2}});
+//   dtensor::export_consolidated(root + "/step-100", "out/model.safetensors");
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "engine/tensor.h"
+
+namespace quilt::dtensor {
+
+/// Named tensors, plain or distributed (model parameters, optimizer state, ...).
+using StateDict = std::vector<std::pair<std::string, Tensor>>;
+
+/// What read_checkpoint_info() returns: one entry per tensor, plus the saved metadata.
+struct CheckpointTensorInfo {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::f32;
+  std::string placements;  // as saved, e.g. "(S(0), R)"; "plain" for plain tensors
+};
+struct CheckpointInfo {
+  std::string dir;
+  int world_size = 0;
+  std::vector<CheckpointTensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+/// Saves `state` into directory `dir` (which must not exist yet, or is replaced). Collective
+/// over `comm`, which must contain every rank of every tensor's mesh (usually the world); all
+/// ranks pass the same names in the same order. Partial tensors are reduced first. `metadata`
+/// (step, config, ...) is stored in the index. Throws on every rank when any rank fails.
+void save_checkpoint(const std::string& dir, const StateDict& state, Communicator& comm,
+                     const std::map<std::string, std::string>& metadata = {});
+
+/// Loads the tensors named in `targets` from checkpoint `dir` into the targets' own storage
+/// (their shards, for distributed targets), whatever mesh, world size or placements saved them.
+/// Partial targets get the value on coordinate 0 and zeros elsewhere (sum) or the value
+/// everywhere (avg, max, min). dtypes are converted. Not collective. Errors name the tensor
+/// and the rank: a key missing from the checkpoint, a shape mismatch, a truncated file.
+void load_checkpoint(const std::string& dir, const StateDict& targets);
+
+/// The index of checkpoint `dir`; throws when `dir` holds no complete checkpoint.
+CheckpointInfo read_checkpoint_info(const std::string& dir);
+
+/// The complete checkpoint under `root` with the highest trailing number in its name
+/// ("step-100" beats "step-99"; names without a number sort before numbered ones), or "" when
+/// there is none. Directories ending in .tmp (unfinished saves) are never chosen.
+std::string latest_checkpoint(const std::string& root);
+
+/// Writes the full tensors of checkpoint `dir` as one Hugging Face safetensors file `out_path`
+/// (metadata {"format": "pt"}); when they exceed `max_shard_bytes`, as files
+/// "<stem>-00001-of-0000N.safetensors" beside it plus "<stem>.safetensors.index.json" (the
+/// weight_map of Hugging Face's sharded checkpoints). Single process; returns the files written.
+std::vector<std::string> export_consolidated(const std::string& dir, const std::string& out_path,
+                                             uint64_t max_shard_bytes = uint64_t(5) << 30);
+
+/// Loads the tensors named in `targets` from a Hugging Face checkpoint: one .safetensors file or
+/// a .safetensors.index.json with its shard files; each rank reads only its blocks.
+void import_consolidated(const std::string& path, const StateDict& targets);
+
+namespace detail {
+/// Test hook: runs on each rank just before it writes its shard file at `path` (a test can
+/// write part of the file and kill the process, or throw). Empty to remove.
+void set_checkpoint_fault_hook(std::function<void(const std::string& path, int rank)> hook);
+}  // namespace detail
+
+}  // namespace quilt::dtensor
