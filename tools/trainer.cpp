@@ -3,7 +3,6 @@
 #include "tools/trainer.h"
 
 #include <nlohmann/json.hpp>
-#include <omp.h>
 
 #include <chrono>
 #include <cmath>
@@ -14,6 +13,7 @@
 
 #include "collectives/launch.h"
 #include "engine/engine.h"
+#include "kernels/cpu/matmul.h"
 #include "models/llama/llama.h"
 #include "parallel/ddp.h"
 #include "parallel/parallel_dims.h"
@@ -181,9 +181,11 @@ std::unique_ptr<Run> setup(const RecipeConfig& cfg) {
   r->world->set_timeout(std::chrono::milliseconds(int64_t(cfg.dist_env.timeout_s * 1000)));
   r->dims.check_seq_len(cfg.train.seq_len);
   log_line(r->dims.mesh_string());
-  // Ranks share the host's cores: give each its share of OpenMP threads.
-  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  omp_set_num_threads(std::max(1, cores / std::max(1, launch_info().local_size)));
+  // Ranks share the host's cores: each takes its share (OMP_NUM_THREADS, when set, decides).
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+    kernels::cpu::set_gemm_threads(std::max(1, cores / std::max(1, launch_info().local_size)));
+  }
   r->dp_comm = r->world;  // data parallel is the whole world in the layouts this trainer runs
   r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
   r->model->init_weights(uint64_t(cfg.train.seed));

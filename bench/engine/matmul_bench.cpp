@@ -1,5 +1,5 @@
-// f32 matmul GFLOP/s against the BLAS the build found, called directly on the same buffers.
-// The ratio quilt/BLAS at each size is the figure docs/PERF.md records.
+// f32 matmul GFLOP/s: quilt's matmul (Eigen by default, and with QUILT_GEMM=openblas) against
+// Eigen and OpenBLAS called directly. The ratio quilt / best library is what docs/PERF.md records.
 #include <Eigen/Core>
 
 #include "bench/engine/bench_util.h"
@@ -47,6 +47,13 @@ static void BM_matmul_eigen(benchmark::State& state) {
 BENCHMARK(BM_matmul_eigen)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 #ifdef QUILT_HAVE_CBLAS
+static void BM_matmul_quilt_openblas(benchmark::State& state) {
+  kernels::cpu::set_gemm_use_blas(true);
+  BM_matmul_quilt(state);
+  kernels::cpu::set_gemm_use_blas(false);
+}
+BENCHMARK(BM_matmul_quilt_openblas)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 static void BM_matmul_openblas_direct(benchmark::State& state) {
   const int n = int(state.range(0));
   std::vector<float> a(size_t(n) * n, 1.0f), b(size_t(n) * n, 0.5f), c(size_t(n) * n);

@@ -4,7 +4,12 @@
 
 #include <Eigen/Core>
 
+#include <dlfcn.h>
+#include <omp.h>
+
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/parallel.h"
@@ -16,7 +21,13 @@
 namespace quilt::kernels::cpu {
 namespace {
 
-std::atomic<bool> g_use_blas{true};
+// Eigen by default: on the machines measured (docs/PERF.md) its OpenMP GEMM beats OpenBLAS and
+// shares one thread pool with every other kernel, where OpenBLAS's own pool would compete with
+// OpenMP's for the same cores. QUILT_GEMM=openblas selects BLAS.
+std::atomic<bool> g_use_blas{[] {
+  const char* v = std::getenv("QUILT_GEMM");
+  return v != nullptr && std::string(v) == "openblas";
+}()};
 
 template <class T>
 using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -138,5 +149,12 @@ const char* gemm_backend() {
 }
 
 void set_gemm_use_blas(bool use) { g_use_blas.store(use); }
+
+void set_gemm_threads(int n) {
+  omp_set_num_threads(n);
+  // OpenBLAS keeps its own thread pool; found at run time so any BLAS links.
+  using SetThreads = void (*)(int);
+  if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(n);
+}
 
 }  // namespace quilt::kernels::cpu
