@@ -128,6 +128,35 @@ class Expand final : public Primitive {
   Shape shape_;
 };
 
+// The adjoint of slice: zeros of the input's shape with the gradient in the window. An op of
+// its own so a distributed gradient routes through the dispatcher (rule: dtensor/rules/view.cpp).
+class SliceBackward final : public Primitive {
+ public:
+  SliceBackward(Shape shape, int64_t dim, int64_t start, int64_t step)
+      : shape_(std::move(shape)), dim_(dim), start_(start), step_(step) {}
+  const char* name() const override { return "slice_backward"; }
+  Attrs attrs() const override { return {{"shape", shape_}, {"dim", dim_}, {"start", start_}, {"step", step_}}; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor& g = in[0];
+    Tensor out = zeros(shape_, {.dtype = g.dtype(), .device = g.device()});
+    const int64_t len = g.size(dim_);
+    if (len > 0 && g.numel() > 0) {
+      NoGradGuard ng;
+      Tensor window = slice(out, dim_, start_, start_ + (len - 1) * step_ + 1, step_);
+      window.copy_(g);
+    }
+    return {out};
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    const int64_t len = ctx.inputs[0].shape[size_t(dim_)];
+    return {slice(ctx.grads[0], dim_, start_, start_ + std::max<int64_t>(len - 1, 0) * step_ + 1, step_)};
+  }
+
+ private:
+  Shape shape_;
+  int64_t dim_, start_, step_;
+};
+
 class Slice final : public Primitive {
  public:
   Slice(int64_t dim, int64_t start, int64_t len, int64_t step) : dim_(dim), start_(start), len_(len), step_(step) {}
@@ -142,16 +171,7 @@ class Slice final : public Primitive {
     return {alias(x, sh, st, off)};
   }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
-    const Tensor& g = ctx.grads[0];
-    Tensor out = zeros(ctx.inputs[0].shape, {.dtype = g.dtype(), .device = g.device()});
-    if (len_ == 0) return {out};
-    // Written as an op (scatter into zeros) so a distributed gradient routes through dispatch.
-    Tensor window = slice(out, dim_, start_, start_ + (len_ - 1) * step_ + 1, step_);
-    {
-      NoGradGuard ng;
-      window.copy_(g);
-    }
-    return {out};
+    return {apply1(std::make_shared<SliceBackward>(ctx.inputs[0].shape, dim_, start_, step_), {ctx.grads[0]})};
   }
 
  private:
