@@ -14,8 +14,18 @@ function(quilt_trainer_test name)
 endfunction()
 quilt_trainer_test("ddp 2 follows the one-rank loss curve" equivalence ddp2 2 --set distributed.strategy=ddp)
 quilt_trainer_test("ddp 4 follows the one-rank loss curve" equivalence ddp4 4 --set distributed.strategy=ddp)
+quilt_trainer_test("fsdp 2 follows the one-rank loss curve" equivalence fsdp2 2 --set distributed.strategy=fsdp2)
+quilt_trainer_test("fsdp 4 follows the one-rank loss curve" equivalence fsdp4 4 --set distributed.strategy=fsdp2)
+quilt_trainer_test("hsdp 2x2 follows the one-rank loss curve" equivalence hsdp 4 --set distributed.strategy=fsdp2
+  --set distributed.dp_replicate_size=2)
+quilt_trainer_test("activation checkpointing follows the one-rank loss curve" equivalence ac 1
+  --set distributed.activation_checkpointing=true)
+quilt_trainer_test("fsdp 2 with activation checkpointing follows the one-rank loss curve" equivalence fsdp2ac 2
+  --set distributed.strategy=fsdp2 --set distributed.activation_checkpointing=true)
 quilt_trainer_test("the same layout twice gives bit-identical losses" determinism)
 quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
+quilt_trainer_test("fsdp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit" resume_fsdp)
+quilt_trainer_test("saved under fsdp 4, resumed under ddp 2, the curve continues" reshard)
 # A bad recipe stops `quilt train` before any rank does work, naming the key.
 add_test(NAME "trainer: a bad value stops train before work, naming the key"
   COMMAND sh -c "out=$(\"$0\" train --config \"$1\" --set train.steps=abc 2>&1); rc=$?; echo \"$out\"; \

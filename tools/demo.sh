@@ -11,5 +11,5 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 exec mpiexec -n "$ranks" --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 \
   --mca mpi_yield_when_idle 1 \
   "$build/bin/quilt" train --config recipes/llama_tiny.yaml \
-  --set distributed.strategy=ddp --set logging.dir="$build/demo" \
+  --set logging.dir="$build/demo" \
   --set "data.path=$build/data/fortunes/train_*.bin" --set "data.val_path=$build/data/fortunes/val_*.bin" "$@"

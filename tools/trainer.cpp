@@ -15,7 +15,11 @@
 #include "engine/engine.h"
 #include "kernels/cpu/matmul.h"
 #include "models/llama/llama.h"
+#include "dtensor/checkpoint.h"
+#include "dtensor/dtensor.h"
+#include "dtensor/grad_norm.h"
 #include "parallel/ddp.h"
+#include "parallel/fsdp.h"
 #include "parallel/parallel_dims.h"
 #include "tools/data.h"
 
@@ -76,6 +80,7 @@ struct Run {
   std::shared_ptr<Communicator> world, dp_comm;
   std::shared_ptr<LlamaForCausalLM> model;
   std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<FullyShardedDataParallel> fsdp;
   std::unique_ptr<AdamW> opt;
   std::unique_ptr<LRSchedule> sched;
   std::unique_ptr<DataLoader> loader, val_loader;
@@ -85,74 +90,97 @@ struct Run {
   Run(const RecipeConfig& c, int64_t world_size) : cfg(c), dims(check_recipe(c, world_size)) {}
 };
 
-// The one layout this trainer applies without the DTensor layer: data parallel by replication.
+// The layouts this trainer applies: data parallel by replication (ddp) or by sharding
+// (fsdp2 over dp_shard, HSDP over dp_replicate x dp_shard).
 void apply_layout(Run& r) {
   const ParallelDims& d = r.dims;
-  const bool replicated_only = d.tp() == 1 && d.pp() == 1 && d.cp() == 1 && d.ep() == 1;
-  QUILT_CHECK(replicated_only && (d.dp() == 1 || r.cfg.distributed.strategy == Strategy::kDdp),
-              "[distributed.strategy] ", strategy_name(r.cfg.distributed.strategy), " with ", d.mesh_string(),
-              " is not available in this trainer yet; it runs one rank or strategy: ddp");
-  if (d.dp() > 1) r.ddp = std::make_unique<DistributedDataParallel>(*r.model, r.dp_comm, DDPOptions{});
+  const bool data_parallel_only = d.tp() == 1 && d.pp() == 1 && d.cp() == 1 && d.ep() == 1;
+  const Strategy strategy = r.cfg.distributed.strategy;
+  QUILT_CHECK(data_parallel_only && (d.dp() == 1 || strategy == Strategy::kDdp || strategy == Strategy::kFsdp2),
+              "[distributed.strategy] ", strategy_name(strategy), " with ", d.mesh_string(),
+              " is not available in this trainer yet; it runs one rank, strategy: ddp, or fsdp2/HSDP without tp/pp/cp/ep");
+  if (d.dp() == 1) return;
+  if (strategy == Strategy::kDdp) {
+    r.ddp = std::make_unique<DistributedDataParallel>(*r.model, r.dp_comm, DDPOptions{});
+    return;
+  }
+  DeviceMesh mesh = d.dp_replicate() > 1
+                        ? DeviceMesh(r.world, {d.dp_replicate(), d.dp_shard()}, {"dp_replicate", "dp_shard"})
+                        : DeviceMesh(r.world, {d.dp_shard()}, {"dp_shard"});
+  r.fsdp = std::make_unique<FullyShardedDataParallel>(*r.model, mesh);
 }
 
+// One micro-batch's loss (a plain scalar tensor on every rank for the caller to log).
+Tensor micro_loss(Run& r, const Batch& b) {
+  if (!r.fsdp) return r.model->loss(b.inputs, b.targets);
+  return r.model->loss(r.fsdp->shard_batch(b.inputs), r.fsdp->shard_batch(b.targets));
+}
+
+// Checkpoints go through the distributed checkpoint (dtensor/checkpoint.h) in every layout:
+// each rank writes the shards it owns, the directory appears by one rename once all are done,
+// and a load reshards into whatever layout the resuming run uses. Optimizer tensors are saved
+// as "optim.<key>", its scalars and the trainer's own state in the index metadata.
 void save_checkpoint(Run& r, const std::string& root) {
-  const std::string final_dir = (fs::path(root) / step_dir_name(r.step)).string();
-  const std::string tmp_dir = (fs::path(root) / ("." + step_dir_name(r.step) + ".tmp")).string();
-  if (r.world->rank() == 0) {  // replicated state: one writer; the rename commits it
-    fs::create_directories(root);
-    fs::remove_all(tmp_dir);
-    fs::create_directories(tmp_dir);
-    std::vector<std::pair<std::string, Tensor>> model_t;
-    for (auto& [name, t] : r.model->state_dict()) model_t.emplace_back(name, t);
-    save_safetensors((fs::path(tmp_dir) / "model.safetensors").string(), model_t, {{"format", "pt"}});
-    OptimizerState os = r.opt->state_dict();
-    std::vector<std::pair<std::string, Tensor>> opt_t;
-    for (auto& [name, t] : os.tensors) opt_t.emplace_back(name, t);
-    std::map<std::string, std::string> scalars;
-    for (auto& [name, v] : os.scalars) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "%.17g", v);
-      scalars[name] = buf;
+  const std::string dir = (fs::path(root) / step_dir_name(r.step)).string();
+  if (r.world->rank() == 0) fs::create_directories(root);
+  r.world->barrier();
+  dtensor::StateDict state;
+  for (auto& [name, t] : r.model->state_dict()) state.emplace_back("model." + name, t);
+  OptimizerState os = r.opt->state_dict();
+  for (auto& [name, t] : os.tensors) state.emplace_back("optim." + name, t);
+  std::map<std::string, std::string> meta;
+  for (auto& [name, v] : os.scalars) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    meta["optim." + name] = buf;
+  }
+  meta["trainer.step"] = std::to_string(r.step);
+  meta["trainer.loader"] = r.loader->state().to_json();
+  meta["trainer.layout"] = r.dims.mesh_string();
+  meta["trainer.recipe"] = recipe_to_yaml(r.cfg);
+  dtensor::save_checkpoint(dir, state, *r.world, meta);
+  if (r.world->rank() == 0 && r.cfg.checkpoint.keep_last > 0) {
+    std::vector<std::string> all;
+    for (const auto& e : fs::directory_iterator(root)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos) all.push_back(e.path().string());
     }
-    save_safetensors((fs::path(tmp_dir) / "optimizer.safetensors").string(), opt_t, scalars);
-    nlohmann::json st = {{"step", r.step}, {"loader", nlohmann::json::parse(r.loader->state().to_json())},
-                         {"recipe", recipe_to_yaml(r.cfg)}, {"layout", r.dims.mesh_string()}};
-    {
-      std::ofstream f((fs::path(tmp_dir) / "trainer.json").string());
-      f << st.dump(2) << "\n";
-      QUILT_CHECK(f.good(), "[checkpoint] cannot write ", tmp_dir, "/trainer.json");
-    }
-    fs::rename(tmp_dir, final_dir);
-    const int64_t keep = r.cfg.checkpoint.keep_last;
-    if (keep > 0) {
-      std::vector<std::string> all;
-      for (const auto& e : fs::directory_iterator(root))
-        if (e.is_directory() && e.path().filename().string().rfind("step_", 0) == 0) all.push_back(e.path().string());
-      std::sort(all.begin(), all.end());
-      for (size_t i = 0; i + size_t(keep) < all.size(); ++i) fs::remove_all(all[i]);
-    }
-    log_line("checkpoint: saved ", final_dir);
+    std::sort(all.begin(), all.end());
+    for (size_t i = 0; i + size_t(r.cfg.checkpoint.keep_last) < all.size(); ++i) fs::remove_all(all[i]);
   }
   r.world->barrier();
+  log_line("checkpoint: saved ", dir);
 }
 
 void load_checkpoint(Run& r, const std::string& dir) {
-  SafetensorsFile m = load_safetensors((fs::path(dir) / "model.safetensors").string(), {.mmap = false});
-  StateDict sd;
-  for (auto& [name, t] : m.tensors) sd.insert(name, t);
-  r.model->load_state_dict(sd);
-  SafetensorsFile o = load_safetensors((fs::path(dir) / "optimizer.safetensors").string(), {.mmap = false});
+  const dtensor::CheckpointInfo info = dtensor::read_checkpoint_info(dir);
+  dtensor::StateDict targets;
+  for (auto& [name, t] : r.model->state_dict()) targets.emplace_back("model." + name, t);
+  // Optimizer moments take their parameter's layout; their names are "optim.state.<param>.<buffer>".
+  std::map<std::string, Tensor> by_name;
+  for (const Tensor& p : r.params) by_name[p.name()] = p;
   OptimizerState os;
-  for (const std::string& name : o.names) os.tensors.insert(name, o.tensors.at(name));
-  for (auto& [k, v] : o.metadata)
-    if (k != "format") os.scalars.insert(k, std::stod(v));
+  for (const auto& ti : info.tensors) {
+    if (ti.name.rfind("optim.", 0) != 0) continue;
+    const std::string key = ti.name.substr(6);
+    const std::string rest = key.rfind("state.", 0) == 0 ? key.substr(6) : key;
+    const auto dot = rest.rfind('.');
+    auto it = by_name.find(dot == std::string::npos ? rest : rest.substr(0, dot));
+    QUILT_CHECK(it != by_name.end(), "[checkpoint] ", dir, ": optimizer tensor '", ti.name,
+                "' belongs to no parameter of this model");
+    const Tensor& p = it->second;
+    Tensor local = zeros(p.local().shape(), {.dtype = ti.dtype, .device = p.device()});
+    Tensor t = p.is_distributed() ? Tensor::make_distributed(local, p.dist_spec(), p.shape()) : local;
+    targets.emplace_back(ti.name, t);
+    os.tensors.insert(key, t);
+  }
+  dtensor::load_checkpoint(dir, targets);
+  for (auto& [k, v] : info.metadata)
+    if (k.rfind("optim.", 0) == 0) os.scalars.insert(k.substr(6), std::stod(v));
   r.opt->load_state_dict(os);
-  std::ifstream f((fs::path(dir) / "trainer.json").string());
-  QUILT_CHECK(f.good(), "[checkpoint] ", dir, " has no trainer.json");
-  nlohmann::json st = nlohmann::json::parse(f);
-  r.step = st.at("step").get<int64_t>();
-  r.loader->load_state(LoaderState::from_json(st.at("loader").dump()));
-  log_line("checkpoint: resumed from ", dir, " at step ", r.step);
+  r.step = std::stoll(info.metadata.at("trainer.step"));
+  r.loader->load_state(LoaderState::from_json(info.metadata.at("trainer.loader")));
+  log_line("checkpoint: resumed from ", dir, " at step ", r.step, " (saved as ", info.metadata.at("trainer.layout"), ")");
 }
 
 double validation_loss(Run& r) {
@@ -165,11 +193,14 @@ double validation_loss(Run& r) {
   for (int64_t s = 0; s < n; ++s) {
     double step_sum = 0;
     auto batches = r.val_loader->next_step();
-    for (const Batch& b : batches) step_sum += r.model->loss(b.inputs, b.targets).item<double>();
+    for (const Batch& b : batches) {
+      Tensor l = micro_loss(r, b);
+      step_sum += (l.is_distributed() ? full_tensor(l) : l).item<double>();
+    }
     total += step_sum / double(batches.size());
   }
   Tensor t = scalar_tensor(total / double(n), {.dtype = DType::f64});
-  if (r.dp_comm->size() > 1) r.dp_comm->all_reduce(t, ReduceOp::avg);
+  if (!r.fsdp && r.dp_comm->size() > 1) r.dp_comm->all_reduce(t, ReduceOp::avg);
   r.model->train();
   return t.item<double>();
 }
@@ -190,7 +221,23 @@ std::unique_ptr<Run> setup(const RecipeConfig& cfg) {
   r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
   r->model->init_weights(uint64_t(cfg.train.seed));
   apply_layout(*r);
+  if (cfg.distributed.activation_checkpointing) {
+    // Every block recomputed in backward: only its input is kept from forward.
+    r->model->model->block_runner = [](LlamaDecoderLayer& blk, const Tensor& x) {
+      return checkpoint([&blk](const Tensor& in) { return blk(in); }, x);
+    };
+  }
   r->params = r->model->parameters();
+  {
+    int64_t total = 0, mine = 0;
+    for (const Tensor& p : r->params) {
+      total += p.numel();
+      mine += p.local().numel();
+    }
+    // Parameters, gradients and AdamW's two moments, all f32: the state a layout divides.
+    log_line("parameters: ", total, " in all, ", mine, " on this rank (", (mine * 16) >> 10,
+             " KiB of parameters + gradients + optimizer state)");
+  }
   const TrainConfig& t = cfg.train;
   // No weight decay on norms (1-D parameters), as is usual for Llama training.
   std::vector<Tensor> decay, no_decay;
@@ -223,13 +270,7 @@ std::unique_ptr<Run> setup(const RecipeConfig& cfg) {
 
 std::string latest_checkpoint(const std::string& dir) {
   if (dir.empty() || !fs::exists(dir)) return "";
-  std::string best;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.rfind("step_", 0) == 0 && fs::exists(e.path() / "trainer.json") && name > fs::path(best).filename().string())
-      best = e.path().string();
-  }
-  return best;
+  return dtensor::latest_checkpoint(dir);
 }
 
 TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
@@ -262,15 +303,17 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
     double loss_sum = 0;
     for (int64_t m = 0; m < accum; ++m) {
       if (r.ddp) r.ddp->set_sync(m == accum - 1);
-      Tensor loss = r.model->loss(batches[size_t(m)].inputs, batches[size_t(m)].targets);
+      Tensor loss = micro_loss(r, batches[size_t(m)]);
       (loss * (1.0 / double(accum))).backward();
-      loss_sum += loss.item<double>();
+      loss_sum += (loss.is_distributed() ? full_tensor(loss.detach()) : loss).item<double>();
     }
     if (r.ddp) r.ddp->finish();
     Tensor loss_t = scalar_tensor(loss_sum / double(accum), {.dtype = DType::f64});
-    if (r.dp_comm->size() > 1) r.dp_comm->all_reduce(loss_t, ReduceOp::avg);
+    if (r.ddp) r.dp_comm->all_reduce(loss_t, ReduceOp::avg);  // fsdp's loss is already the global mean
     const double loss = loss_t.item<double>();
-    const double norm = clip_grad_norm_(r.params, t.max_grad_norm.value_or(INFINITY)).item<double>();
+    const double max_norm = t.max_grad_norm.value_or(INFINITY);
+    const double norm = (r.fsdp ? dtensor::clip_grad_norm_(r.params, max_norm) : clip_grad_norm_(r.params, max_norm))
+                            .item<double>();
     // Every rank holds the same averaged loss and gradients, so all take the same decision.
     const bool finite = std::isfinite(loss) && std::isfinite(norm);
     if (finite) r.opt->step();

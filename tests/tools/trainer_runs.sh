@@ -30,7 +30,7 @@ run() {  # run NAME NP [--set ...]
 case "$mode" in
   equivalence)
     layout=$1; np=$2; shift 2
-    run one 1 --set train.steps=8 "$@"
+    run one 1 --set train.steps=8
     run "$layout" "$np" --set train.steps=8 "$@"
     # Reduction order differs between layouts (dp averages partial means): a few ulps of f32
     # per step, compounding through 8 Adam steps; 1e-4 bounds it with margin.
@@ -50,6 +50,22 @@ case "$mode" in
     grep -q "resumed from" "$work/second.log" || { cat "$work/second.log"; echo "did not resume"; exit 1; }
     "$compare" "$work/straight/metrics.jsonl" "$work/second/metrics.jsonl" 0 6
     "$compare" "$work/straight/metrics.jsonl" "$work/first/metrics.jsonl" 0
+    ;;
+  reshard)
+    # Saved under FSDP 4, resumed under DDP 2: the curve continues the one-rank run's.
+    run straight 1 --set train.steps=10
+    run first 4 --set train.steps=10 --stop-after 5 --set distributed.strategy=fsdp2 --set "checkpoint.dir=$work/ckpt"
+    run second 2 --set train.steps=10 --set distributed.strategy=ddp --set "checkpoint.dir=$work/ckpt" \
+      --set checkpoint.resume=auto
+    grep -q "resumed from .* (saved as mesh: world=4" "$work/second.log" || { cat "$work/second.log"; exit 1; }
+    "$compare" "$work/straight/metrics.jsonl" "$work/second/metrics.jsonl" 1e-4 6
+    ;;
+  resume_fsdp)
+    run straight 2 --set train.steps=10
+    run first 2 --set train.steps=10 --stop-after 5 --set "checkpoint.dir=$work/ckpt"
+    run second 2 --set train.steps=10 --set "checkpoint.dir=$work/ckpt" --set checkpoint.resume=auto
+    grep -q "resumed from" "$work/second.log" || { cat "$work/second.log"; echo "did not resume"; exit 1; }
+    "$compare" "$work/straight/metrics.jsonl" "$work/second/metrics.jsonl" 0 6
     ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
