@@ -6,16 +6,24 @@
 
 namespace quilt {
 
-FullyShardedDataParallel::FullyShardedDataParallel(Module& module, DeviceMesh mesh) : mesh_(std::move(mesh)) {
-  QUILT_CHECK(mesh_.ndim() == 1 || mesh_.ndim() == 2, "[fsdp] needs a 1-D (dp_shard) or 2-D (dp_replicate, dp_shard) mesh, got ",
-              mesh_.str());
-  param_placements_ = mesh_.ndim() == 1 ? Placements{Shard(0)} : Placements{Replicate(), Shard(0)};
-  batch_placements_ = mesh_.ndim() == 1 ? Placements{Shard(0)} : Placements{Shard(0), Shard(0)};
+FullyShardedDataParallel::FullyShardedDataParallel(Module& module, DeviceMesh mesh, TensorParallelPlan tp_plan)
+    : mesh_(std::move(mesh)) {
+  std::vector<std::string> axes;
+  for (int64_t a = 0; a < mesh_.ndim(); ++a) axes.push_back(mesh_.axis_names()[size_t(a)]);
+  for (const std::string& a : axes) {
+    QUILT_CHECK(a == "dp_replicate" || a == "dp_shard" || a == "tp", "[fsdp] mesh axis '", a,
+                "' is not one of dp_replicate, dp_shard, tp (mesh ", mesh_.str(), ")");
+    QUILT_CHECK(a != "tp" || tp_plan, "[fsdp] the mesh has a tp axis but the model gave no tensor-parallel plan");
+    batch_placements_.push_back(a == "tp" ? Placement(Replicate()) : Placement(Shard(0)));
+  }
   for (auto& [name, p] : module.named_parameters()) {
+    Placements pl;
+    for (const std::string& a : axes)
+      pl.push_back(a == "dp_replicate" ? Placement(Replicate()) : a == "dp_shard" ? Placement(Shard(0)) : tp_plan(name));
     Tensor sharded;
     {
       NoGradGuard ng;
-      sharded = distribute_tensor(p.detach(), mesh_, param_placements_).detach();
+      sharded = distribute_tensor(p.detach(), mesh_, pl).detach();
     }
     sharded.set_requires_grad(p.requires_grad());
     module.replace_parameter(name, sharded);
@@ -24,7 +32,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(Module& module, DeviceMesh me
 
 Tensor FullyShardedDataParallel::shard_batch(const Tensor& local) const {
   Shape global = local.shape();
-  global[0] *= mesh_.size();  // every dp rank holds an equal slice of the global batch
+  for (int64_t a = 0; a < mesh_.ndim(); ++a)  // every dp rank holds an equal slice of the global batch
+    if (mesh_.axis_names()[size_t(a)] != "tp") global[0] *= mesh_.size(a);
   return from_local(local, mesh_, batch_placements_, global);
 }
 

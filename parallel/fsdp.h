@@ -9,25 +9,32 @@
 //   Tensor loss = model->loss(fsdp.shard_batch(x), fsdp.shard_batch(y));
 #pragma once
 
+#include <functional>
+#include <string>
+
 #include "dtensor/mesh.h"
 #include "dtensor/placement.h"
 #include "engine/nn/module.h"
 
 namespace quilt {
 
+/// A model's tensor-parallel plan: the placement of a parameter (by dotted name) on the "tp" axis.
+using TensorParallelPlan = std::function<Placement(const std::string& param_name)>;
+
 class FullyShardedDataParallel {
  public:
-  /// Shards every parameter of `module` over `mesh`: a 1-D ("dp_shard") or 2-D
-  /// ("dp_replicate", "dp_shard") mesh. Parameter values must already agree on every rank.
-  FullyShardedDataParallel(Module& module, DeviceMesh mesh);
+  /// Distributes every parameter of `module` over `mesh`, whose axes are named "dp_replicate"
+  /// (parameters replicated), "dp_shard" (parameters sharded on dim 0) and "tp" (placed by
+  /// `tp_plan`); the batch is sharded on dim 0 over the dp axes and replicated over tp.
+  /// Parameter values must already agree on every rank.
+  FullyShardedDataParallel(Module& module, DeviceMesh mesh, TensorParallelPlan tp_plan = nullptr);
   /// This rank's slice of a batch (dim 0) as the global batch, distributed over the dp axes.
   Tensor shard_batch(const Tensor& local) const;
   const DeviceMesh& mesh() const { return mesh_; }
-  const Placements& param_placements() const { return param_placements_; }
 
  private:
   DeviceMesh mesh_;
-  Placements param_placements_, batch_placements_;
+  Placements batch_placements_;
 };
 
 }  // namespace quilt

@@ -94,20 +94,27 @@ struct Run {
 // (fsdp2 over dp_shard, HSDP over dp_replicate x dp_shard).
 void apply_layout(Run& r) {
   const ParallelDims& d = r.dims;
-  const bool data_parallel_only = d.tp() == 1 && d.pp() == 1 && d.cp() == 1 && d.ep() == 1;
   const Strategy strategy = r.cfg.distributed.strategy;
-  QUILT_CHECK(data_parallel_only && (d.dp() == 1 || strategy == Strategy::kDdp || strategy == Strategy::kFsdp2),
-              "[distributed.strategy] ", strategy_name(strategy), " with ", d.mesh_string(),
-              " is not available in this trainer yet; it runs one rank, strategy: ddp, or fsdp2/HSDP without tp/pp/cp/ep");
-  if (d.dp() == 1) return;
+  QUILT_CHECK(d.pp() == 1 && d.cp() == 1 && d.ep() == 1 && !r.cfg.distributed.sequence_parallel,
+              "[distributed] ", d.mesh_string(), (r.cfg.distributed.sequence_parallel ? " with sequence_parallel" : ""),
+              " is not available in this trainer yet: it runs data parallel (ddp, fsdp2, HSDP) and tensor parallel "
+              "without pp, cp, ep or sequence_parallel");
+  if (d.dp() == 1 && d.tp() == 1) return;
   if (strategy == Strategy::kDdp) {
     r.ddp = std::make_unique<DistributedDataParallel>(*r.model, r.dp_comm, DDPOptions{});
     return;
   }
-  DeviceMesh mesh = d.dp_replicate() > 1
-                        ? DeviceMesh(r.world, {d.dp_replicate(), d.dp_shard()}, {"dp_replicate", "dp_shard"})
-                        : DeviceMesh(r.world, {d.dp_shard()}, {"dp_shard"});
-  r.fsdp = std::make_unique<FullyShardedDataParallel>(*r.model, mesh);
+  // The mesh torchtitan builds, keeping only axes of size > 1: (dp_replicate, dp_shard, tp).
+  Shape sizes;
+  std::vector<std::string> names;
+  for (auto [name, size] : {std::pair<const char*, int64_t>{"dp_replicate", d.dp_replicate()},
+                            {"dp_shard", d.dp_shard()}, {"tp", d.tp()}})
+    if (size > 1) {
+      names.push_back(name);
+      sizes.push_back(size);
+    }
+  r.fsdp = std::make_unique<FullyShardedDataParallel>(*r.model, DeviceMesh(r.world, sizes, names),
+                                                      d.tp() > 1 ? TensorParallelPlan(LlamaForCausalLM::tp_placement) : nullptr);
 }
 
 // One micro-batch's loss (a plain scalar tensor on every rank for the caller to log).

@@ -216,6 +216,19 @@ Tensor LlamaForCausalLM::loss(const Tensor& inputs, const Tensor& targets) {
   return cross_entropy(logits.reshape({-1, cfg_.vocab_size}), targets.reshape({-1}));
 }
 
+Placement LlamaForCausalLM::tp_placement(const std::string& name) {
+  auto ends_with = [&](const char* suffix) {
+    const std::string s(suffix);
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  for (const char* col : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+                          "lm_head.weight", "embed_tokens.weight"})
+    if (ends_with(col)) return Shard(0);
+  for (const char* row : {"o_proj.weight", "down_proj.weight"})
+    if (ends_with(row)) return Shard(1);
+  return Replicate();
+}
+
 double LlamaForCausalLM::flops_per_token(int64_t seq_len) const {
   double n = 0;
   for (const Tensor& p : parameters()) n += double(p.numel());

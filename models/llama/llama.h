@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/nn/layers.h"
+#include "dtensor/placement.h"
 #include "engine/nn/module.h"
 
 namespace quilt {
@@ -110,6 +111,11 @@ class LlamaForCausalLM : public Module {
   /// Mean next-token cross entropy of logits(inputs) against targets (B, T).
   Tensor loss(const Tensor& inputs, const Tensor& targets);
   const LlamaConfig& config() const { return cfg_; }
+  /// The model's tensor-parallel plan (the layout of a parameter on the "tp" axis), as
+  /// torchtitan's Llama plan: q/k/v/gate/up colwise (Shard(0) of (out, in)), o/down rowwise
+  /// (Shard(1)), the embedding vocab-parallel (Shard(0)), lm_head colwise over the vocabulary
+  /// (loss-parallel logits), norms replicated.
+  static Placement tp_placement(const std::string& param_name);
   /// FLOPs of one forward+backward per token (6N + attention), for MFU.
   double flops_per_token(int64_t seq_len) const;
   std::shared_ptr<LlamaModel> model;
