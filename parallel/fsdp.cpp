@@ -37,4 +37,11 @@ Tensor FullyShardedDataParallel::shard_batch(const Tensor& local) const {
   return from_local(local, mesh_, batch_placements_, global);
 }
 
+Tensor FullyShardedDataParallel::sequence_parallel(const Tensor& hidden) const {
+  Placements pl = batch_placements_;
+  for (int64_t a = 0; a < mesh_.ndim(); ++a)
+    if (mesh_.axis_names()[size_t(a)] == "tp") pl[size_t(a)] = Shard(1);
+  return redistribute(hidden, pl);
+}
+
 }  // namespace quilt

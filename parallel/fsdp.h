@@ -30,6 +30,10 @@ class FullyShardedDataParallel {
   FullyShardedDataParallel(Module& module, DeviceMesh mesh, TensorParallelPlan tp_plan = nullptr);
   /// This rank's slice of a batch (dim 0) as the global batch, distributed over the dp axes.
   Tensor shard_batch(const Tensor& local) const;
+  /// Sequence parallelism: the residual stream (batch, seq, hidden) sharded on the sequence dim
+  /// over tp (and the batch over dp). The dispatcher then all-gathers before each tp-sharded
+  /// matmul and reduce-scatters the partial outputs back into this layout, as Megatron's SP does.
+  Tensor sequence_parallel(const Tensor& hidden) const;
   const DeviceMesh& mesh() const { return mesh_; }
 
  private:

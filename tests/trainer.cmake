@@ -19,6 +19,8 @@ quilt_trainer_test("fsdp 4 follows the one-rank loss curve" equivalence fsdp4 4 
 quilt_trainer_test("hsdp 2x2 follows the one-rank loss curve" equivalence hsdp 4 --set distributed.strategy=fsdp2
   --set distributed.dp_replicate_size=2)
 quilt_trainer_test("tp 2 follows the one-rank loss curve" equivalence tp2 2 --set distributed.tp_size=2)
+quilt_trainer_test("tp 2 with sequence parallel follows the one-rank loss curve" equivalence tp2sp 2
+  --set distributed.tp_size=2 --set distributed.sequence_parallel=true)
 quilt_trainer_test("fsdp 2 x tp 2 follows the one-rank loss curve" equivalence fsdp2tp2 4 --set distributed.tp_size=2)
 quilt_trainer_test("activation checkpointing follows the one-rank loss curve" equivalence ac 1
   --set distributed.activation_checkpointing=true)

@@ -95,10 +95,10 @@ struct Run {
 void apply_layout(Run& r) {
   const ParallelDims& d = r.dims;
   const Strategy strategy = r.cfg.distributed.strategy;
-  QUILT_CHECK(d.pp() == 1 && d.cp() == 1 && d.ep() == 1 && !r.cfg.distributed.sequence_parallel,
-              "[distributed] ", d.mesh_string(), (r.cfg.distributed.sequence_parallel ? " with sequence_parallel" : ""),
+  QUILT_CHECK(d.pp() == 1 && d.cp() == 1 && d.ep() == 1,
+              "[distributed] ", d.mesh_string(),
               " is not available in this trainer yet: it runs data parallel (ddp, fsdp2, HSDP) and tensor parallel "
-              "without pp, cp, ep or sequence_parallel");
+              "(with or without sequence_parallel), not pp, cp or ep");
   if (d.dp() == 1 && d.tp() == 1) return;
   if (strategy == Strategy::kDdp) {
     r.ddp = std::make_unique<DistributedDataParallel>(*r.model, r.dp_comm, DDPOptions{});
@@ -115,6 +115,10 @@ void apply_layout(Run& r) {
     }
   r.fsdp = std::make_unique<FullyShardedDataParallel>(*r.model, DeviceMesh(r.world, sizes, names),
                                                       d.tp() > 1 ? TensorParallelPlan(LlamaForCausalLM::tp_placement) : nullptr);
+  if (r.cfg.distributed.sequence_parallel && d.tp() > 1) {
+    FullyShardedDataParallel* f = r.fsdp.get();
+    r.model->model->after_embedding = [f](const Tensor& h) { return f->sequence_parallel(h); };
+  }
 }
 
 // One micro-batch's loss (a plain scalar tensor on every rank for the caller to log).

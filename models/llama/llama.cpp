@@ -191,6 +191,7 @@ Tensor LlamaModel::forward(const Tensor& tokens) {
               " exceeds max_position_embeddings=", cfg_.max_position_embeddings);
   Tensor c = buffer("rope_cos").narrow(0, 0, t), s = buffer("rope_sin").narrow(0, 0, t);
   Tensor h = (*embed_tokens)(tokens);
+  if (after_embedding) h = after_embedding(h);
   for (auto& blk : blocks) {
     blk->set_rope(c, s);
     h = block_runner ? block_runner(*blk, h) : (*blk)(h);

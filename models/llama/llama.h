@@ -96,6 +96,8 @@ class LlamaModel : public Module {
   std::shared_ptr<RMSNorm> norm;
   /// The decoder blocks (each one FSDP unit / activation-checkpoint region).
   std::vector<std::shared_ptr<LlamaDecoderLayer>> blocks;
+  /// Applied to the embedding output (sequence parallelism lays the residual stream out here).
+  std::function<Tensor(const Tensor&)> after_embedding;
   /// Wraps each block's forward (activation checkpointing installs itself here).
   std::function<Tensor(LlamaDecoderLayer&, const Tensor&)> block_runner;
 
