@@ -194,6 +194,19 @@ void load_checkpoint(Run& r, const std::string& dir) {
   log_line("checkpoint: resumed from ", dir, " at step ", r.step, " (saved as ", info.metadata.at("trainer.layout"), ")");
 }
 
+// The model tensors of a checkpoint as one HF safetensors file: the "model." prefix the trainer
+// adds is dropped, the optimizer state left out.
+void export_hf(const std::string& checkpoint_dir, const std::string& out_path) {
+  const std::string tmp = out_path + ".all.safetensors";
+  dtensor::export_consolidated(checkpoint_dir, tmp);
+  SafetensorsFile all = load_safetensors(tmp, {.mmap = false});
+  std::vector<std::pair<std::string, Tensor>> model;
+  for (const std::string& name : all.names)
+    if (name.rfind("model.", 0) == 0) model.emplace_back(name.substr(6), all.tensors.at(name));
+  save_safetensors(out_path, model, {{"format", "pt"}});
+  fs::remove(tmp);
+}
+
 double validation_loss(Run& r) {
   if (!r.val_loader) return -1;
   NoGradGuard ng;
@@ -367,7 +380,19 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
         r.step < last)
       save_checkpoint(r, *cfg.checkpoint.dir);
   }
-  if (cfg.checkpoint.dir && !result.steps.empty()) save_checkpoint(r, *cfg.checkpoint.dir);
+  if (cfg.checkpoint.dir && !result.steps.empty()) {
+    save_checkpoint(r, *cfg.checkpoint.dir);
+    if (cfg.checkpoint.save_consolidated && r.world->rank() == 0) {
+      // HF layout: model.safetensors (+ index when large) with HF names, and config.json.
+      const std::string src = (fs::path(*cfg.checkpoint.dir) / step_dir_name(r.step)).string();
+      const fs::path out = fs::path(*cfg.checkpoint.dir) / "hf";
+      fs::create_directories(out);
+      export_hf(src, (out / "model.safetensors").string());
+      std::ofstream((out / "config.json").string()) << llama_config(cfg.model).to_json();
+      log_line("checkpoint: consolidated HF weights in ", out.string());
+    }
+    r.world->barrier();
+  }
   result.final_val_loss = validation_loss(r);
   if (result.final_val_loss >= 0) log_line("validation loss: ", result.final_val_loss);
   return result;

@@ -52,13 +52,19 @@ case "$mode" in
     "$compare" "$work/straight/metrics.jsonl" "$work/first/metrics.jsonl" 0
     ;;
   reshard)
-    # Saved under FSDP 4, resumed under DDP 2: the curve continues the one-rank run's.
+    # Saved under FSDP 4, resumed under FSDP 2 x TP 2: the curve continues the one-rank run's.
     run straight 1 --set train.steps=10
     run first 4 --set train.steps=10 --stop-after 5 --set distributed.strategy=fsdp2 --set "checkpoint.dir=$work/ckpt"
-    run second 2 --set train.steps=10 --set distributed.strategy=ddp --set "checkpoint.dir=$work/ckpt" \
-      --set checkpoint.resume=auto
-    grep -q "resumed from .* (saved as mesh: world=4" "$work/second.log" || { cat "$work/second.log"; exit 1; }
+    run second 4 --set train.steps=10 --set distributed.tp_size=2 --set "checkpoint.dir=$work/ckpt" \
+      --set checkpoint.resume=auto --set checkpoint.save_consolidated=true
+    grep -q "resumed from .* (saved as mesh: world=4 dp_replicate=1 dp_shard=4" "$work/second.log" || { cat "$work/second.log"; exit 1; }
+    grep -q "mesh: world=4 dp_replicate=1 dp_shard=2 cp=1 tp=2" "$work/second.log" || { cat "$work/second.log"; exit 1; }
     "$compare" "$work/straight/metrics.jsonl" "$work/second/metrics.jsonl" 1e-4 6
+    # The consolidated export holds HF-named full weights and a config.json.
+    test -f "$work/ckpt/hf/config.json" || { echo "no config.json"; exit 1; }
+    grep -q '"model_type": "llama"' "$work/ckpt/hf/config.json"
+    "$quilt" inspect --file "$work/ckpt/hf/model.safetensors" | grep -q "model.layers.1.mlp.down_proj.weight (64, 160)" ||
+      { echo "HF export lacks model.layers.1.mlp.down_proj.weight (64, 160)"; exit 1; }
     ;;
   resume_fsdp)
     run straight 2 --set train.steps=10
