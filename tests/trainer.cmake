@@ -22,6 +22,8 @@ quilt_trainer_test("tp 2 follows the one-rank loss curve" equivalence tp2 2 --se
 quilt_trainer_test("tp 2 with sequence parallel follows the one-rank loss curve" equivalence tp2sp 2
   --set distributed.tp_size=2 --set distributed.sequence_parallel=true)
 quilt_trainer_test("fsdp 2 x tp 2 follows the one-rank loss curve" equivalence fsdp2tp2 4 --set distributed.tp_size=2)
+quilt_trainer_test("fsdp 2 x tp 2 in bf16 follows the one-rank bf16 loss curve" equivalence_bf16 fsdp2tp2bf16 4
+  --set distributed.tp_size=2)
 quilt_trainer_test("activation checkpointing follows the one-rank loss curve" equivalence ac 1
   --set distributed.activation_checkpointing=true)
 quilt_trainer_test("fsdp 2 with activation checkpointing follows the one-rank loss curve" equivalence fsdp2ac 2

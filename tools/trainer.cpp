@@ -20,6 +20,7 @@
 #include "dtensor/grad_norm.h"
 #include "parallel/ddp.h"
 #include "parallel/fsdp.h"
+#include "parallel/mixed_precision.h"
 #include "parallel/parallel_dims.h"
 #include "tools/data.h"
 
@@ -245,6 +246,10 @@ std::unique_ptr<Run> setup(const RecipeConfig& cfg) {
   r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
   r->model->init_weights(uint64_t(cfg.train.seed));
   apply_layout(*r);
+  if (cfg.train.param_dtype && *cfg.train.param_dtype != cfg.train.dtype) {
+    QUILT_CHECK(!cfg.model.tie_word_embeddings, "[train.param_dtype] mixed precision with tie_word_embeddings is not supported");
+    apply_mixed_precision(*r->model, {.param_dtype = *cfg.train.param_dtype});
+  }
   if (cfg.distributed.activation_checkpointing) {
     // Every block recomputed in backward: only its input is kept from forward.
     r->model->model->block_runner = [](LlamaDecoderLayer& blk, const Tensor& x) {

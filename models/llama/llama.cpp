@@ -214,6 +214,7 @@ Tensor LlamaForCausalLM::forward(const Tensor& tokens) {
 
 Tensor LlamaForCausalLM::loss(const Tensor& inputs, const Tensor& targets) {
   Tensor logits = forward(inputs);
+  if (logits.dtype() != DType::f32 && logits.dtype() != DType::f64) logits = logits.to(DType::f32);  // loss in f32
   return cross_entropy(logits.reshape({-1, cfg_.vocab_size}), targets.reshape({-1}));
 }
 

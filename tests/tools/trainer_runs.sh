@@ -36,6 +36,14 @@ case "$mode" in
     # per step, compounding through 8 Adam steps; 1e-4 bounds it with margin.
     "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 1e-4
     ;;
+  equivalence_bf16)
+    # bf16 compute (f32 masters, f32 loss): both runs round the same products to bf16 except
+    # where the layout splits a reduction, so the curves agree to bf16's 2^-8 relative step.
+    layout=$1; np=$2; shift 2
+    run one 1 --set train.steps=8 --set train.param_dtype=bfloat16
+    run "$layout" "$np" --set train.steps=8 --set train.param_dtype=bfloat16 "$@"
+    "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 2e-3
+    ;;
   determinism)
     run a 2 --set train.steps=6 --set distributed.strategy=ddp
     run b 2 --set train.steps=6 --set distributed.strategy=ddp
