@@ -3,22 +3,80 @@
 #include "engine/checkpoint.h"
 
 #include "engine/autograd.h"
+#include "engine/ops/binary.h"
+#include "engine/ops/matmul.h"
+#include "engine/ops/reduce.h"
 #include "engine/ops/view.h"
 #include "engine/primitive.h"
 
 namespace quilt {
 namespace {
 
+// The selective region this thread is in: recording linear outputs (first forward) or
+// replaying them (recomputation). Nested checkpoints stack.
+struct Selective {
+  enum class Phase { record, replay } phase;
+  std::vector<Tensor>* outputs;
+  size_t next = 0;
+};
+thread_local std::vector<Selective> t_selective;
+
+struct SelectiveScope {
+  SelectiveScope(Selective::Phase phase, std::vector<Tensor>* outputs, bool on) : on_(on) {
+    if (on_) t_selective.push_back({phase, outputs, 0});
+  }
+  ~SelectiveScope() {
+    if (on_) t_selective.pop_back();
+  }
+  bool on_;
+};
+
+// A linear whose output is already known (kept by the first forward). Composite: its forward
+// returns the kept tensor whatever the layout, and its backward — the gradients of x @ w^T +
+// bias — runs ops, so distributed inputs route through the dispatcher there.
+class KeptLinear final : public Primitive {
+ public:
+  explicit KeptLinear(Tensor out) : out_(std::move(out)) {}
+  const char* name() const override { return "kept_linear"; }
+  bool composite() const override { return true; }
+  std::vector<Tensor> forward(const std::vector<Tensor>&) override { return {out_.detach()}; }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
+    saved_ = {in[0].detach(), in[1].detach()};
+    out_ = Tensor();
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    const Tensor& g = ctx.grads[0];
+    const Tensor& x = saved_[0];
+    const Tensor& w = saved_[1];
+    Tensor gx, gw, gb;
+    // The same products, in the same arrangement, as linear()'s own backward (x @ w^T through
+    // matmul and transpose), so the gradients are bit-identical to an unkept linear's.
+    if (ctx.needs[0]) gx = matmul(g, w);
+    if (ctx.needs[1]) {
+      const Tensor xt = x.dim() > 2 ? transpose(reshape(x, {-1, w.size(1)}), 0, 1) : transpose(x, -1, -2);
+      const Tensor g2 = x.dim() > 2 ? reshape(g, {-1, w.size(0)}) : g;
+      gw = transpose(sum_to(matmul(xt, g2), {w.size(1), w.size(0)}), 0, 1);
+    }
+    if (ctx.needs.size() > 2 && ctx.needs[2]) gb = sum_to(g, ctx.inputs[2].shape);
+    return {gx, gw, gb};
+  }
+
+ private:
+  Tensor out_;
+};
+
 class Checkpoint final : public Primitive {
  public:
   // `anchored`: the last input is a placeholder leaf that only makes the node exist.
-  Checkpoint(CheckpointFn fn, Generator* gen, bool anchored) : fn_(std::move(fn)), gen_(gen), anchored_(anchored) {}
+  Checkpoint(CheckpointFn fn, Generator* gen, bool anchored, CheckpointMode mode)
+      : fn_(std::move(fn)), gen_(gen), anchored_(anchored), selective_(mode == CheckpointMode::save_matmuls) {}
   const char* name() const override { return "checkpoint"; }
   bool composite() const override { return true; }
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     counter_ = gen_->counter();
     NoGradGuard ng;
+    SelectiveScope scope(Selective::Phase::record, &kept_, selective_);
     std::vector<Tensor> outs = fn_(user_inputs(in));
     for (Tensor& o : outs) {
       QUILT_CHECK(o.defined(), "[checkpoint] the function returned an undefined tensor");
@@ -50,7 +108,9 @@ class Checkpoint final : public Primitive {
       const uint64_t now = gen_->counter();
       gen_->set_counter(counter_);
       try {
+        SelectiveScope scope(Selective::Phase::replay, &kept_, selective_);
         outs = fn_(leaves);
+        kept_.clear();
       } catch (...) {
         gen_->set_counter(now);
         throw;
@@ -84,13 +144,16 @@ class Checkpoint final : public Primitive {
   CheckpointFn fn_;
   Generator* gen_;
   bool anchored_;
+  bool selective_;
+  std::vector<Tensor> kept_;  // save_matmuls: linear outputs of the first forward, in call order
   uint64_t counter_ = 0;
   std::vector<bool> wants_grad_;
 };
 
 }  // namespace
 
-std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs, Generator* gen) {
+std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs, Generator* gen,
+                               CheckpointMode mode) {
   QUILT_CHECK(static_cast<bool>(fn), "[checkpoint] got an empty function");
   if (!gen) gen = &default_generator();
   bool any_grad = false;
@@ -100,14 +163,30 @@ std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& input
   // block sees plain data): an empty leaf that requires grad makes apply() record it.
   const bool anchored = grad_enabled() && !any_grad;
   if (anchored) in.push_back(Tensor::empty({0}).set_requires_grad(true));
-  return quilt::apply(std::make_shared<Checkpoint>(std::move(fn), gen, anchored), in);
+  return quilt::apply(std::make_shared<Checkpoint>(std::move(fn), gen, anchored, mode), in);
 }
 
-Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& input, Generator* gen) {
+Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& input, Generator* gen, CheckpointMode mode) {
   QUILT_CHECK(static_cast<bool>(fn), "[checkpoint] got an empty function");
   auto outs = checkpoint([f = std::move(fn)](const std::vector<Tensor>& in) { return std::vector<Tensor>{f(in[0])}; },
-                         {input}, gen);
+                         {input}, gen, mode);
   return outs.at(0);
+}
+
+Tensor checkpointable_linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
+  if (t_selective.empty()) return linear(x, w, bias);
+  Selective& sel = t_selective.back();
+  if (sel.phase == Selective::Phase::record) {
+    Tensor y = linear(x, w, bias);
+    sel.outputs->push_back(y.detach());
+    return y;
+  }
+  QUILT_CHECK(sel.next < sel.outputs->size(), "[checkpoint] the recomputation ran more linear layers (",
+              sel.next + 1, ") than the forward (", sel.outputs->size(), ")");
+  Tensor kept = (*sel.outputs)[sel.next++];
+  std::vector<Tensor> in = {x, w};
+  if (bias.defined()) in.push_back(bias);
+  return apply1(std::make_shared<KeptLinear>(kept), in);
 }
 
 }  // namespace quilt

@@ -24,12 +24,25 @@ namespace quilt {
 /// A checkpointed function: tensors in, tensors out, written in ops (no in-place on inputs).
 using CheckpointFn = std::function<std::vector<Tensor>(const std::vector<Tensor>& inputs)>;
 
+/// Which activations a checkpointed region keeps from its first forward.
+enum class CheckpointMode {
+  full,            // only the inputs: everything inside is recomputed
+  save_matmuls,    // also every linear() output: only the cheap ops between them are recomputed
+};
+
 /// Runs fn(inputs) without recording its graph and returns its outputs as one graph node whose
 /// backward recomputes fn. `gen` is the generator fn draws randomness from (null: the calling
 /// thread's default_generator()).
-std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs, Generator* gen = nullptr);
+std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs, Generator* gen = nullptr,
+                               CheckpointMode mode = CheckpointMode::full);
 
 /// checkpoint() of a one-tensor function.
-Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& input, Generator* gen = nullptr);
+Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& input, Generator* gen = nullptr,
+                  CheckpointMode mode = CheckpointMode::full);
+
+/// linear(x, w, bias) that takes part in selective checkpointing: inside a save_matmuls region
+/// its output is kept at the first forward and reused by the recomputation, whose backward
+/// still gives the gradients of x, w and bias (nn::Linear calls this).
+Tensor checkpointable_linear(const Tensor& x, const Tensor& w, const Tensor& bias);
 
 }  // namespace quilt

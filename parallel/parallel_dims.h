@@ -53,6 +53,7 @@ struct DistributedConfig {
   int64_t ep_size = 1;
   bool sequence_parallel = false;
   bool activation_checkpointing = false;
+  std::string activation_checkpointing_mode = "full";  // full | selective (keeps matmul outputs)
   bool defer_fsdp_grad_sync = true;
   PipelineConfig pipeline;
   MoeConfig moe;

@@ -26,6 +26,11 @@ quilt_trainer_test("fsdp 2 x tp 2 in bf16 follows the one-rank bf16 loss curve" 
   --set distributed.tp_size=2)
 quilt_trainer_test("activation checkpointing follows the one-rank loss curve" equivalence ac 1
   --set distributed.activation_checkpointing=true)
+quilt_trainer_test("selective activation checkpointing follows the one-rank loss curve" equivalence sac 1
+  --set distributed.activation_checkpointing=true --set distributed.activation_checkpointing_mode=selective)
+quilt_trainer_test("fsdp 2 x tp 2 with selective activation checkpointing follows the one-rank loss curve" equivalence
+  sac4 4 --set distributed.tp_size=2 --set distributed.activation_checkpointing=true
+  --set distributed.activation_checkpointing_mode=selective)
 quilt_trainer_test("fsdp 2 with activation checkpointing follows the one-rank loss curve" equivalence fsdp2ac 2
   --set distributed.strategy=fsdp2 --set distributed.activation_checkpointing=true)
 quilt_trainer_test("the same layout twice gives bit-identical losses" determinism)

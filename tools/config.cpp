@@ -410,6 +410,7 @@ void parse_distributed(const YAML::Node& node, const Context& ctx, DistributedCo
   read_int(s, "ep_size", d.ep_size, 1);
   read_bool(s, "sequence_parallel", d.sequence_parallel);
   read_bool(s, "activation_checkpointing", d.activation_checkpointing);
+  read_choice(s, "activation_checkpointing_mode", d.activation_checkpointing_mode, {"full", "selective"});
   read_bool(s, "defer_fsdp_grad_sync", d.defer_fsdp_grad_sync);
   {
     Section p(s.get("pipeline"), "distributed.pipeline", ctx);
@@ -656,6 +657,7 @@ std::string recipe_to_yaml(const RecipeConfig& c) {
   e.kv("ep_size", d.ep_size);
   e.kv("sequence_parallel", d.sequence_parallel);
   e.kv("activation_checkpointing", d.activation_checkpointing);
+  e.kv("activation_checkpointing_mode", d.activation_checkpointing_mode);
   e.kv("defer_fsdp_grad_sync", d.defer_fsdp_grad_sync);
   e.begin("pipeline");
   e.kv("pp_schedule", d.pipeline.pp_schedule);

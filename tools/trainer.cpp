@@ -252,8 +252,10 @@ std::unique_ptr<Run> setup(const RecipeConfig& cfg) {
   }
   if (cfg.distributed.activation_checkpointing) {
     // Every block recomputed in backward: only its input is kept from forward.
-    r->model->model->block_runner = [](LlamaDecoderLayer& blk, const Tensor& x) {
-      return checkpoint([&blk](const Tensor& in) { return blk(in); }, x);
+    const CheckpointMode mode =
+        cfg.distributed.activation_checkpointing_mode == "selective" ? CheckpointMode::save_matmuls : CheckpointMode::full;
+    r->model->model->block_runner = [mode](LlamaDecoderLayer& blk, const Tensor& x) {
+      return checkpoint([&blk](const Tensor& in) { return blk(in); }, x, nullptr, mode);
     };
   }
   r->params = r->model->parameters();

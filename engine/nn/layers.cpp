@@ -1,6 +1,8 @@
 // Standard layers: construction (uninitialised parameters), forward in public ops, init rules.
 #include "engine/nn/layers.h"
 
+#include "engine/checkpoint.h"
+
 #include <sstream>
 
 #include "engine/ops/matmul.h"
@@ -38,7 +40,7 @@ Linear::Linear(int64_t in, int64_t out, bool bias, TensorOptions opts)
   bias_ = &register_parameter("bias", bias ? Tensor::empty({out}, opts) : Tensor());
 }
 
-Tensor Linear::forward(const Tensor& x) { return linear(x, *weight_, *bias_); }
+Tensor Linear::forward(const Tensor& x) { return checkpointable_linear(x, *weight_, *bias_); }
 
 void Linear::reset_parameter(const std::string& name, Tensor& p, RngKey key) {
   if (name == "weight") init::normal_(p, key, 0.0, init_std);
