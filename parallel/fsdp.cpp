@@ -3,6 +3,8 @@
 
 #include "dtensor/dtensor.h"
 #include "engine/autograd.h"
+#include "engine/ops/binary.h"
+#include "engine/ops/creation.h"
 
 namespace quilt {
 
@@ -26,6 +28,25 @@ FullyShardedDataParallel::FullyShardedDataParallel(Module& module, DeviceMesh me
       sharded = distribute_tensor(p.detach(), mesh_, pl).detach();
     }
     sharded.set_requires_grad(p.requires_grad());
+    if (p.requires_grad()) {
+      // Runs before the dispatcher's hook that reduces the gradient into the shard layout: while
+      // sync is off it banks the unreduced gradient and lets a zero through (no communication);
+      // the synchronising backward adds the bank, so one reduce-scatter covers every micro-batch.
+      auto bank = std::make_shared<Tensor>();
+      std::weak_ptr<State> state = state_;
+      sharded.register_hook([bank, state](const Tensor& g) -> Tensor {
+        auto st = state.lock();
+        if (!st || !g.defined()) return {};
+        if (!st->sync) {
+          *bank = bank->defined() ? add(*bank, g.detach()) : g.detach();
+          return zeros_like(g);
+        }
+        if (!bank->defined()) return {};
+        Tensor total = add(*bank, g);
+        *bank = Tensor();
+        return total;
+      });
+    }
     module.replace_parameter(name, sharded);
   }
 }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "dtensor/mesh.h"
@@ -28,6 +29,10 @@ class FullyShardedDataParallel {
   /// `tp_plan`); the batch is sharded on dim 0 over the dp axes and replicated over tp.
   /// Parameter values must already agree on every rank.
   FullyShardedDataParallel(Module& module, DeviceMesh mesh, TensorParallelPlan tp_plan = nullptr);
+  /// Whether the next backward synchronises gradients. With false (the micro-batches before the
+  /// last of a gradient-accumulation step, defer_fsdp_grad_sync) each parameter's unreduced
+  /// gradient is kept locally and the reduce-scatter runs once, in the backward with true.
+  void set_requires_gradient_sync(bool sync) { state_->sync = sync; }
   /// This rank's slice of a batch (dim 0) as the global batch, distributed over the dp axes.
   Tensor shard_batch(const Tensor& local) const;
   /// Sequence parallelism: the residual stream (batch, seq, hidden) sharded on the sequence dim
@@ -37,8 +42,12 @@ class FullyShardedDataParallel {
   const DeviceMesh& mesh() const { return mesh_; }
 
  private:
+  struct State {
+    bool sync = true;
+  };
   DeviceMesh mesh_;
   Placements batch_placements_;
+  std::shared_ptr<State> state_ = std::make_shared<State>();
 };
 
 }  // namespace quilt

@@ -15,6 +15,8 @@ endfunction()
 quilt_trainer_test("ddp 2 follows the one-rank loss curve" equivalence ddp2 2 --set distributed.strategy=ddp)
 quilt_trainer_test("ddp 4 follows the one-rank loss curve" equivalence ddp4 4 --set distributed.strategy=ddp)
 quilt_trainer_test("fsdp 2 follows the one-rank loss curve" equivalence fsdp2 2 --set distributed.strategy=fsdp2)
+quilt_trainer_test("fsdp 2 syncing every micro-batch follows the one-rank loss curve" equivalence fsdp2sync 2
+  --set distributed.strategy=fsdp2 --set distributed.defer_fsdp_grad_sync=false)
 quilt_trainer_test("fsdp 4 follows the one-rank loss curve" equivalence fsdp4 4 --set distributed.strategy=fsdp2)
 quilt_trainer_test("hsdp 2x2 follows the one-rank loss curve" equivalence hsdp 4 --set distributed.strategy=fsdp2
   --set distributed.dp_replicate_size=2)

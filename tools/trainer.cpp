@@ -334,6 +334,7 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
     double loss_sum = 0;
     for (int64_t m = 0; m < accum; ++m) {
       if (r.ddp) r.ddp->set_sync(m == accum - 1);
+      if (r.fsdp && cfg.distributed.defer_fsdp_grad_sync) r.fsdp->set_requires_gradient_sync(m == accum - 1);
       Tensor loss = micro_loss(r, batches[size_t(m)]);
       (loss * (1.0 / double(accum))).backward();
       loss_sum += (loss.is_distributed() ? full_tensor(loss.detach()) : loss).item<double>();
