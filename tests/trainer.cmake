@@ -37,6 +37,7 @@ quilt_trainer_test("fsdp 2 with activation checkpointing follows the one-rank lo
   --set distributed.strategy=fsdp2 --set distributed.activation_checkpointing=true)
 quilt_trainer_test("the same layout twice gives bit-identical losses" determinism)
 quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
+quilt_trainer_test("a non-finite loss or gradient skips the step on every rank" nonfinite)
 quilt_trainer_test("fsdp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit" resume_fsdp)
 quilt_trainer_test("saved under fsdp 4, resumed under fsdp 2 x tp 2, the curve continues; HF export" reshard)
 # A bad recipe stops `quilt train` before any rank does work, naming the key.

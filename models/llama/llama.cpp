@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "dtensor/checkpoint.h"
 #include "engine/engine.h"
 
 namespace quilt {
@@ -229,6 +230,13 @@ Placement LlamaForCausalLM::tp_placement(const std::string& name) {
   for (const char* row : {"o_proj.weight", "down_proj.weight"})
     if (ends_with(row)) return Shard(1);
   return Replicate();
+}
+
+void load_hf_weights(Module& model, const std::string& path) {
+  dtensor::StateDict targets;
+  for (auto& [name, t] : model.state_dict()) targets.emplace_back(name, t);
+  NoGradGuard ng;
+  dtensor::import_consolidated(path, targets);
 }
 
 double LlamaForCausalLM::flops_per_token(int64_t seq_len) const {

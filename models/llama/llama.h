@@ -127,4 +127,9 @@ class LlamaForCausalLM : public Module {
   LlamaConfig cfg_;
 };
 
+/// Loads HF-named weights (one model.safetensors, or a model.safetensors.index.json with its
+/// shards) into `model`'s parameters in place, whatever their layout (each rank reads only its
+/// blocks). Throws naming the missing tensor or the shape that differs.
+void load_hf_weights(Module& model, const std::string& path);
+
 }  // namespace quilt

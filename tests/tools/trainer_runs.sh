@@ -81,5 +81,12 @@ case "$mode" in
     grep -q "resumed from" "$work/second.log" || { cat "$work/second.log"; echo "did not resume"; exit 1; }
     "$compare" "$work/straight/metrics.jsonl" "$work/second/metrics.jsonl" 0 6
     ;;
+  nonfinite)
+    # An absurd learning rate blows the weights up after one update; the following steps'
+    # non-finite loss or gradient must be skipped on every rank, with a message, not crash.
+    run blowup 2 --set train.steps=4 --set train.lr=1e30 --set train.warmup_steps=0 --set train.max_grad_norm=none
+    grep -q "step skipped on every rank" "$work/blowup.log" || { cat "$work/blowup.log"; echo "no skip message"; exit 1; }
+    grep -q '"skipped":true' "$work/blowup/metrics.jsonl" || { cat "$work/blowup/metrics.jsonl"; exit 1; }
+    ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
