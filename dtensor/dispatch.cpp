@@ -83,17 +83,6 @@ struct Decision {
   Choice choice;
 };
 
-bool partials_combine(const Placements& p) {
-  int fam = -1;
-  for (const Placement& x : p) {
-    if (!x.is_partial()) continue;
-    const int f = x.reduce_op() == ReduceOp::max ? 1 : x.reduce_op() == ReduceOp::min ? 2 : 0;
-    if (fam >= 0 && fam != f) return false;
-    fam = f;
-  }
-  return true;
-}
-
 Row replicate_row(size_t n_out, size_t n_in) {
   return Row{std::vector<Placement>(n_out, Replicate()), std::vector<Placement>(n_in, Replicate())};
 }
@@ -125,9 +114,9 @@ Choice choose(const Strategy& st, const std::vector<Placements>& cur, const std:
 
   auto valid = [&](const Choice& c) {
     for (const auto& p : c.in)
-      if (!partials_combine(p)) return false;
+      if (!partials_compatible(p)) return false;
     for (const auto& p : c.out)
-      if (!partials_combine(p)) return false;
+      if (!partials_compatible(p)) return false;
     return !st.check || st.check(mesh_shape, c.in, c.out);
   };
   auto cost_of = [&](const Choice& c, double& cost, int& changes) {
@@ -177,7 +166,7 @@ Choice choose(const Strategy& st, const std::vector<Placements>& cur, const std:
           if (!args[i].defined) continue;
           Placements t = cur[i];
           t[a] = r.in[i];
-          if (!partials_combine(t)) { cost = 1e300; break; }
+          if (!partials_compatible(t)) { cost = 1e300; break; }
           cost += plan_redistribute(mesh_shape, cur[i], t).cost * bytes[i];
         }
         if (!have || cost < axis_best) { axis_best = cost; pick[a] = &r; have = true; }

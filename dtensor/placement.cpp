@@ -82,4 +82,33 @@ Placements normalize_placements(const Placements& placements, int64_t ndim, cons
 
 Placements replicated(size_t mesh_ndim) { return Placements(mesh_ndim, Replicate()); }
 
+bool partials_compatible(const Placements& placements) {
+  int family = -1;  // 0: sum/avg, 1: max, 2: min
+  for (const Placement& x : placements) {
+    if (!x.is_partial()) continue;
+    const int f = x.reduce_op() == ReduceOp::max ? 1 : x.reduce_op() == ReduceOp::min ? 2 : 0;
+    if (family >= 0 && family != f) return false;
+    family = f;
+  }
+  return true;
+}
+
+std::vector<Placements> all_placements(size_t mesh_ndim, int64_t tensor_ndim) {
+  std::vector<Placement> options{Replicate(), Partial(ReduceOp::sum), Partial(ReduceOp::avg), Partial(ReduceOp::max),
+                                 Partial(ReduceOp::min)};
+  for (int64_t d = 0; d < tensor_ndim; ++d) options.push_back(Shard(d));
+  std::vector<Placements> out{{}};
+  for (size_t a = 0; a < mesh_ndim; ++a) {
+    std::vector<Placements> next;
+    for (const Placements& p : out)
+      for (const Placement& x : options) {
+        Placements q = p;
+        q.push_back(x);
+        if (partials_compatible(q)) next.push_back(q);
+      }
+    out = std::move(next);
+  }
+  return out;
+}
+
 }  // namespace quilt

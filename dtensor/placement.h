@@ -88,5 +88,11 @@ Placements parse_placements(const std::string& text);
 Placements normalize_placements(const Placements& placements, int64_t ndim, const char* op);
 /// Every axis Replicate.
 Placements replicated(size_t mesh_ndim);
+/// True when the Partial placements of a layout can combine: all sum/avg, or all max, or all
+/// min (a tensor partial by sum on one axis and by max on another has no single value).
+bool partials_compatible(const Placements& placements);
+/// Every layout of a tensor of `tensor_ndim` dims on a mesh of `mesh_ndim` axes (each axis
+/// Replicate, Partial(sum|avg|max|min) or Shard(d)) whose partials are compatible.
+std::vector<Placements> all_placements(size_t mesh_ndim, int64_t tensor_ndim);
 
 }  // namespace quilt

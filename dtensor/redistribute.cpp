@@ -26,17 +26,6 @@ bool sharded_after(const Placements& p, int64_t axis, int64_t dim) {
   return false;
 }
 
-bool partial_families_compatible(const Placements& p) {
-  int fam = -1;
-  for (const Placement& x : p) {
-    if (!x.is_partial()) continue;
-    const int f = x.reduce_op() == ReduceOp::max ? 1 : x.reduce_op() == ReduceOp::min ? 2 : 0;
-    if (fam >= 0 && fam != f) return false;
-    fam = f;
-  }
-  return true;
-}
-
 // Whether axis `a` may go from cur[a] to `to` in one step.
 bool direct_step(const Placements& cur, int64_t a, const Placement& to) {
   const Placement& from = cur[size_t(a)];
@@ -105,7 +94,7 @@ RedistributePlan search(const Shape& mesh_shape, const Placements& src, const Pl
         if (!direct_step(e.state, int64_t(a), to)) continue;
         Placements next = e.state;
         next[a] = to;
-        if (!partial_families_compatible(next)) continue;
+        if (!partials_compatible(next)) continue;
         const double c = e.cost + step_cost(e.state, mesh_shape, int64_t(a), to);
         const size_t s = e.steps + 1;
         auto it = best.find(next);
@@ -281,7 +270,7 @@ std::string RedistributePlan::str() const {
 const RedistributePlan& plan_redistribute(const Shape& mesh_shape, const Placements& src, const Placements& dst) {
   QUILT_CHECK(src.size() == mesh_shape.size() && dst.size() == mesh_shape.size(), "[redistribute] placements ",
               str(src), " -> ", str(dst), " for a mesh of shape ", mesh_shape);
-  QUILT_CHECK(partial_families_compatible(dst) && partial_families_compatible(src), "[redistribute] ", str(src),
+  QUILT_CHECK(partials_compatible(dst) && partials_compatible(src), "[redistribute] ", str(src),
               " -> ", str(dst), ": placements mix Partial reductions that do not combine");
   PlanCache& cache = plan_cache();
   const std::string key = plan_key(mesh_shape, src, dst);

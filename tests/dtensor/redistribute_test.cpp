@@ -10,39 +10,6 @@ using test::max_abs_diff;
 
 namespace {
 
-std::vector<Placement> axis_options(int64_t ndim) {
-  std::vector<Placement> o{Replicate(), Partial(ReduceOp::sum), Partial(ReduceOp::avg), Partial(ReduceOp::max),
-                           Partial(ReduceOp::min)};
-  for (int64_t d = 0; d < ndim; ++d) o.push_back(Shard(d));
-  return o;
-}
-
-bool combinable(const Placements& p) {
-  int fam = -1;
-  for (const Placement& x : p) {
-    if (!x.is_partial()) continue;
-    const int f = x.reduce_op() == ReduceOp::max ? 1 : x.reduce_op() == ReduceOp::min ? 2 : 0;
-    if (fam >= 0 && fam != f) return false;
-    fam = f;
-  }
-  return true;
-}
-
-std::vector<Placements> all_placements(size_t mesh_ndim, int64_t tensor_ndim) {
-  std::vector<Placements> out{{}};
-  for (size_t a = 0; a < mesh_ndim; ++a) {
-    std::vector<Placements> next;
-    for (const Placements& p : out)
-      for (const Placement& x : axis_options(tensor_ndim)) {
-        Placements q = p;
-        q.push_back(x);
-        if (combinable(q)) next.push_back(q);
-      }
-    out = next;
-  }
-  return out;
-}
-
 // Every (src, dst) pair: dst holds the same global value, and going back to src does too.
 void round_trips(int world, const Shape& mesh_shape, const std::vector<Shape>& shapes, size_t stride) {
   run_threads_group(world, [&](Communicator& c) {
