@@ -368,6 +368,15 @@ OpCall Communicator::begin(int kind, const Tensor& subject, bool collective) {
   return c;
 }
 
+namespace {
+// A device tensor's copy in page-locked host memory (the MPI backend reads host memory only).
+Tensor stage_to_host(const Tensor& x) {
+  Tensor h = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = Device::cpu(), .pinned = true});
+  h.copy_(x);
+  return h;
+}
+}  // namespace
+
 Tensor Communicator::prepare_input(const Tensor& t, const char* op) const {
   NoGradGuard ng;
   Tensor x = t.detach();
@@ -375,7 +384,7 @@ Tensor Communicator::prepare_input(const Tensor& t, const char* op) const {
     QUILT_CHECK(x.device() == device_, "[", op, "] the ", backend_, " communicator ", name_, " works on ",
                 device_.str(), " tensors, got one on ", x.device().str());
   } else if (x.device().is_cuda()) {
-    return x.to(Device::cpu());  // staged through host memory
+    return stage_to_host(x);
   }
   return x.is_contiguous() ? x : x.contiguous();
 }
@@ -389,8 +398,8 @@ Tensor Communicator::prepare_output(const Tensor& t, bool read_too, std::vector<
   const bool stage = host_memory_only() && x.device().is_cuda();
   if (!stage && x.is_contiguous()) return x;
   Tensor tmp;
-  if (read_too) tmp = stage ? x.to(Device::cpu()) : x.contiguous();
-  else tmp = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = stage ? Device::cpu() : x.device()});
+  if (read_too) tmp = stage ? stage_to_host(x) : x.contiguous();
+  else tmp = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = stage ? Device::cpu() : x.device(), .pinned = stage});
   copy_back.push_back([x, tmp]() mutable {
     NoGradGuard g;
     x.copy_(tmp);

@@ -127,6 +127,19 @@ Storage Storage::allocate(size_t nbytes, Device device) {
   return s;
 }
 
+Storage Storage::allocate_pinned(size_t nbytes) {
+  Allocator* alloc = cuda::pinned_host_allocator();
+  const Stream stream = current_stream(Device::cpu());
+  Storage s;
+  s.impl_ = std::make_shared<Impl>();
+  s.impl_->data = alloc->allocate(nbytes, stream);
+  s.impl_->nbytes = nbytes;
+  s.impl_->device = Device::cpu();
+  void* data = s.impl_->data;
+  s.impl_->release = [alloc, data, nbytes, stream] { alloc->deallocate(data, nbytes, stream); };
+  return s;
+}
+
 Storage Storage::borrow(void* data, size_t nbytes, Device device, std::function<void()> release) {
   Storage s;
   s.impl_ = std::make_shared<Impl>();

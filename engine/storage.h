@@ -42,6 +42,9 @@ void reset_cpu_peak_memory();
 void empty_cpu_cache();
 
 namespace cuda {
+/// Page-locked host memory (cached): staging buffers for device copies. Without CUDA, the
+/// ordinary host allocator.
+Allocator* pinned_host_allocator();
 /// The caching allocator of device `device` (throws when CUDA is unavailable).
 Allocator* allocator(int device);
 /// Counters of device `device`'s caching allocator.
@@ -58,6 +61,8 @@ class Storage {
   Storage() = default;
   /// Allocates `nbytes` on `device` (current stream) through that device's allocator.
   static Storage allocate(size_t nbytes, Device device);
+  /// Allocates `nbytes` of page-locked host memory (ordinary host memory without CUDA).
+  static Storage allocate_pinned(size_t nbytes);
   /// Wraps memory owned elsewhere; `release` runs when the last view goes away.
   static Storage borrow(void* data, size_t nbytes, Device device, std::function<void()> release);
 

@@ -61,7 +61,8 @@ Tensor Tensor::from_storage(Storage storage, Shape shape, Shape strides, int64_t
 Tensor Tensor::empty(const Shape& shape, TensorOptions opts) {
   for (int64_t s : shape) QUILT_CHECK(s >= 0, "[empty] negative size in shape ", shape);
   const size_t bytes = size_t(numel_of(shape)) * dtype_size(opts.dtype);
-  Tensor t = from_storage(Storage::allocate(bytes, opts.device), shape, contiguous_strides(shape), 0, opts.dtype);
+  Storage st = opts.pinned && opts.device.is_cpu() ? Storage::allocate_pinned(bytes) : Storage::allocate(bytes, opts.device);
+  Tensor t = from_storage(std::move(st), shape, contiguous_strides(shape), 0, opts.dtype);
   if (opts.requires_grad) t.set_requires_grad(true);
   return t;
 }

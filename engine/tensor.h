@@ -33,6 +33,7 @@ struct TensorOptions {
   DType dtype = DType::f32;
   Device device = Device::cpu();
   bool requires_grad = false;
+  bool pinned = false;  // CPU only: page-locked memory, for fast asynchronous device copies
 };
 
 /// Hook run on the gradient flowing into a tensor; returns the gradient to use instead

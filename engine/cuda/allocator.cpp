@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -104,6 +105,48 @@ CudaAllocator* existing(int device) {
 }  // namespace
 
 namespace cuda {
+
+namespace {
+// Page-locked host blocks, cached by exact size (staging buffers repeat their sizes step after
+// step, and cudaHostAlloc is expensive). Falls back to ordinary memory when CUDA is absent.
+class PinnedHostAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes, const Stream&) override {
+    if (bytes == 0) return nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cache_.find(bytes);
+    if (it != cache_.end()) {
+      void* p = it->second;
+      cache_.erase(it);
+      return p;
+    }
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      for (auto& [size, q] : cache_) cudaFreeHost(q);
+      cache_.clear();
+      QUILT_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault) == cudaSuccess, "[cuda] cannot allocate ", bytes,
+                  " bytes of pinned host memory");
+    }
+    return p;
+  }
+  void deallocate(void* p, size_t bytes, const Stream&) override {
+    if (!p) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_.emplace(bytes, p);
+  }
+
+ private:
+  std::mutex mu_;
+  std::multimap<size_t, void*> cache_;
+};
+}  // namespace
+
+Allocator* pinned_host_allocator() {
+  if (!is_available()) return cpu_allocator();
+  static PinnedHostAllocator* a = new PinnedHostAllocator();  // outlives tensors freed at exit
+  return a;
+}
 
 Allocator* allocator(int device) {
   QUILT_CHECK(is_available(), "[cuda] no CUDA allocator for cuda:", device, ": CUDA is not available (",
