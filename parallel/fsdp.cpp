@@ -1,6 +1,7 @@
 // FSDP2 / HSDP: see fsdp.h.
 #include "parallel/fsdp.h"
 
+#include "dtensor/dist_spec.h"
 #include "dtensor/dtensor.h"
 #include "engine/autograd.h"
 #include "engine/ops/binary.h"
@@ -49,6 +50,27 @@ FullyShardedDataParallel::FullyShardedDataParallel(Module& module, DeviceMesh me
     }
     module.replace_parameter(name, sharded);
   }
+}
+
+void FullyShardedDataParallel::keep_gathered_through_backward(Module& unit) {
+  // Replicated over the dp axes, as placed on tp; redistribute is differentiable, so the
+  // gathered weights' gradients reduce-scatter back into the shards.
+  auto leaves = std::make_shared<NamedTensors>();
+  const std::vector<std::string> axes = mesh_.axis_names();
+  unit.register_forward_pre_hook([leaves, axes](Module& m, std::vector<Tensor>&) {
+    *leaves = m.named_parameters();
+    for (auto& [name, p] : *leaves) {
+      if (!p.is_distributed()) continue;
+      Placements pl = p.dist_spec()->placements;
+      for (size_t a = 0; a < axes.size(); ++a)
+        if (axes[a] != "tp") pl[a] = Replicate();
+      m.replace_parameter(name, redistribute(p, pl));
+    }
+  });
+  unit.register_forward_hook([leaves](Module& m, const std::vector<Tensor>&, std::vector<Tensor>&) {
+    for (auto& [name, p] : *leaves) m.replace_parameter(name, p);
+    leaves->clear();
+  });
 }
 
 Tensor FullyShardedDataParallel::shard_batch(const Tensor& local) const {

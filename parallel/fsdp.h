@@ -29,6 +29,11 @@ class FullyShardedDataParallel {
   /// `tp_plan`); the batch is sharded on dim 0 over the dp axes and replicated over tp.
   /// Parameter values must already agree on every rank.
   FullyShardedDataParallel(Module& module, DeviceMesh mesh, TensorParallelPlan tp_plan = nullptr);
+  /// Makes `unit` (a block) one FSDP unit that gathers its parameters once per forward and keeps
+  /// them for backward (reshard_after_forward: false): one all-gather per unit instead of one per
+  /// use in forward and another in backward, at the cost of holding the unit's full weights from
+  /// its forward to its backward. Without this every op gathers the weight it needs and drops it.
+  void keep_gathered_through_backward(Module& unit);
   /// Whether the next backward synchronises gradients. With false (the micro-batches before the
   /// last of a gradient-accumulation step, defer_fsdp_grad_sync) each parameter's unreduced
   /// gradient is kept locally and the reduce-scatter runs once, in the backward with true.

@@ -54,6 +54,7 @@ struct DistributedConfig {
   bool sequence_parallel = false;
   bool activation_checkpointing = false;
   std::string activation_checkpointing_mode = "full";  // full | selective (keeps matmul outputs)
+  bool reshard_after_forward = true;  // fsdp2: false gathers each block once and keeps it for backward
   bool defer_fsdp_grad_sync = true;
   PipelineConfig pipeline;
   MoeConfig moe;

@@ -17,6 +17,11 @@ quilt_trainer_test("ddp 4 follows the one-rank loss curve" equivalence ddp4 4 --
 quilt_trainer_test("fsdp 2 follows the one-rank loss curve" equivalence fsdp2 2 --set distributed.strategy=fsdp2)
 quilt_trainer_test("fsdp 2 syncing every micro-batch follows the one-rank loss curve" equivalence fsdp2sync 2
   --set distributed.strategy=fsdp2 --set distributed.defer_fsdp_grad_sync=false)
+quilt_trainer_test("fsdp 2 keeping gathered blocks for backward follows the one-rank loss curve" equivalence fsdp2keep 2
+  --set distributed.strategy=fsdp2 --set distributed.reshard_after_forward=false)
+quilt_trainer_test("fsdp 2 x tp 2 keeping gathered blocks, selective AC, bf16, follows the one-rank bf16 curve"
+  equivalence_bf16 fsdp2tp2keep 4 --set distributed.tp_size=2 --set distributed.reshard_after_forward=false
+  --set distributed.activation_checkpointing=true --set distributed.activation_checkpointing_mode=selective)
 quilt_trainer_test("fsdp 4 follows the one-rank loss curve" equivalence fsdp4 4 --set distributed.strategy=fsdp2)
 quilt_trainer_test("hsdp 2x2 follows the one-rank loss curve" equivalence hsdp 4 --set distributed.strategy=fsdp2
   --set distributed.dp_replicate_size=2)

@@ -411,6 +411,7 @@ void parse_distributed(const YAML::Node& node, const Context& ctx, DistributedCo
   read_bool(s, "sequence_parallel", d.sequence_parallel);
   read_bool(s, "activation_checkpointing", d.activation_checkpointing);
   read_choice(s, "activation_checkpointing_mode", d.activation_checkpointing_mode, {"full", "selective"});
+  read_bool(s, "reshard_after_forward", d.reshard_after_forward);
   read_bool(s, "defer_fsdp_grad_sync", d.defer_fsdp_grad_sync);
   {
     Section p(s.get("pipeline"), "distributed.pipeline", ctx);
@@ -658,6 +659,7 @@ std::string recipe_to_yaml(const RecipeConfig& c) {
   e.kv("sequence_parallel", d.sequence_parallel);
   e.kv("activation_checkpointing", d.activation_checkpointing);
   e.kv("activation_checkpointing_mode", d.activation_checkpointing_mode);
+  e.kv("reshard_after_forward", d.reshard_after_forward);
   e.kv("defer_fsdp_grad_sync", d.defer_fsdp_grad_sync);
   e.begin("pipeline");
   e.kv("pp_schedule", d.pipeline.pp_schedule);

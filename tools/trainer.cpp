@@ -116,6 +116,8 @@ void apply_layout(Run& r) {
     }
   r.fsdp = std::make_unique<FullyShardedDataParallel>(*r.model, DeviceMesh(r.world, sizes, names),
                                                       d.tp() > 1 ? TensorParallelPlan(LlamaForCausalLM::tp_placement) : nullptr);
+  if (!r.cfg.distributed.reshard_after_forward && d.dp_shard() > 1)
+    for (auto& blk : r.model->model->blocks) r.fsdp->keep_gathered_through_backward(*blk);
   if (r.cfg.distributed.sequence_parallel && d.tp() > 1) {
     FullyShardedDataParallel* f = r.fsdp.get();
     r.model->model->after_embedding = [f](const Tensor& h) { return f->sequence_parallel(h); };
