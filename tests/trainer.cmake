@@ -45,6 +45,11 @@ quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
 quilt_trainer_test("a non-finite loss or gradient skips the step on every rank" nonfinite)
 quilt_trainer_test("fsdp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit" resume_fsdp)
 quilt_trainer_test("saved under fsdp 4, resumed under fsdp 2 x tp 2, the curve continues; HF export" reshard)
+# Mixed-precision choices the trainer does not implement are refused, naming the key.
+add_test(NAME "trainer: an unsupported reduce dtype is refused, naming the key"
+  COMMAND sh -c "out=$(\"$0\" train --config \"$1\" --set train.param_dtype=bfloat16 --set train.reduce_dtype=bfloat16 2>&1); rc=$?; echo \"$out\"; \
+[ $rc -ne 0 ] && echo \"$out\" | grep -q 'train.reduce_dtype'"
+  $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/llama_tiny.yaml)
 # A bad recipe stops `quilt train` before any rank does work, naming the key.
 add_test(NAME "trainer: a bad value stops train before work, naming the key"
   COMMAND sh -c "out=$(\"$0\" train --config \"$1\" --set train.steps=abc 2>&1); rc=$?; echo \"$out\"; \

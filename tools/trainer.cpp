@@ -105,6 +105,7 @@ void apply_layout(Run& r) {
     r.ddp = std::make_unique<DistributedDataParallel>(*r.model, r.dp_comm, DDPOptions{});
     return;
   }
+  if (strategy == Strategy::kMegatronFsdp) log_line("strategy megatron_fsdp runs as fsdp2's sharding (parameters, gradients and optimizer state over dp_shard)");
   // The mesh torchtitan builds, keeping only axes of size > 1: (dp_replicate, dp_shard, tp).
   Shape sizes;
   std::vector<std::string> names;
@@ -248,6 +249,14 @@ std::unique_ptr<Run> setup(const RecipeConfig& cfg) {
   r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
   r->model->init_weights(uint64_t(cfg.train.seed));
   apply_layout(*r);
+  // Gradients reach the f32 masters through the casts, so every reduction runs in the master
+  // dtype and module outputs keep the compute dtype; other choices are refused, not ignored.
+  QUILT_CHECK(!cfg.train.reduce_dtype || *cfg.train.reduce_dtype == cfg.train.dtype, "[train.reduce_dtype] ",
+              dtype_name(*cfg.train.reduce_dtype), " is not supported: gradients are reduced in train.dtype (",
+              dtype_name(cfg.train.dtype), ")");
+  QUILT_CHECK(!cfg.train.output_dtype || *cfg.train.output_dtype == cfg.train.param_dtype.value_or(cfg.train.dtype),
+              "[train.output_dtype] ", dtype_name(*cfg.train.output_dtype),
+              " is not supported: module outputs are in the compute dtype (train.param_dtype)");
   if (cfg.train.param_dtype && *cfg.train.param_dtype != cfg.train.dtype) {
     QUILT_CHECK(!cfg.model.tie_word_embeddings, "[train.param_dtype] mixed precision with tie_word_embeddings is not supported");
     apply_mixed_precision(*r->model, {.param_dtype = *cfg.train.param_dtype});
