@@ -81,6 +81,25 @@ void reduce_typed(const ReduceLoop& l) {
   const T* in = static_cast<const T*>(l.in);
   O* out = static_cast<O*>(l.out);
   const bool row = l.red_ndim == 1 && l.red_strides[0] == 1;
+  constexpr int64_t kChunk = int64_t(1) << 16;
+  if (row && nout == 1 && nred >= 2 * kChunk) {
+    // One long run: fixed-size chunks reduced in parallel, then combined in chunk order, so the
+    // result does not depend on the thread count (layouts must agree bit for bit).
+    const int64_t chunks = (nred + kChunk - 1) / kChunk;
+    std::vector<A> part(static_cast<size_t>(chunks));
+    const T* base = in + offset_of(0, l.out_ndim, l.out_shape, l.in_out_strides);
+    parallel_range(chunks, 1, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c)
+        part[size_t(c)] = reduce_run<op, T, A>(base + c * kChunk, std::min(kChunk, nred - c * kChunk));
+    });
+    A acc = part[0];
+    for (size_t c = 1; c < part.size(); ++c) {
+      if constexpr (op == ReduceOp::sum_squares) acc = acc + part[c];  // partials are already squared
+      else acc = combine<op, A>(acc, part[c]);
+    }
+    out[offset_of(0, l.out_ndim, l.out_shape, l.out_strides)] = O(static_cast<compute_t<O>>(acc));
+    return;
+  }
   if (row || nout == 1) {
     parallel_range(nout, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, nred)), [&](int64_t b, int64_t e) {
       for (int64_t o = b; o < e; ++o) {

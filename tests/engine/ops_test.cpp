@@ -1,4 +1,6 @@
 // Elementwise, reduction, matmul and view ops through the op harness (op_harness.h).
+#include <omp.h>
+
 #include <cmath>
 
 #include "op_harness.h"
@@ -226,4 +228,26 @@ TEST_CASE("ops: views and copies carry gradients back through the view") {
   sum(x.to(DType::bf16) * 3.0).backward();
   CHECK(x.grad().dtype() == DType::f64);
   CHECK(x.grad().to_vector() == std::vector<double>{3, 3});
+}
+
+TEST_CASE("ops: long reductions are accurate and independent of the thread count") {
+  Tensor x = randn({300007}, RngKey(test_seed(), "long"));
+  double want = 0, want_sq = 0, want_max = -INFINITY;
+  for (double v : x.to_vector()) {
+    want += v;
+    want_sq += v * v;
+    want_max = std::max(want_max, v);
+  }
+  const double s = sum(x).item<double>();
+  CHECK(s == doctest::Approx(want).epsilon(1e-4).scale(std::sqrt(300007.0)));
+  CHECK(sum_squares(x).item<double>() == doctest::Approx(want_sq).epsilon(1e-5));
+  CHECK(max(x).item<double>() == want_max);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const double s1 = sum(x).item<double>();
+  omp_set_num_threads(std::max(2, threads));
+  const double s2 = sum(x).item<double>();
+  omp_set_num_threads(threads);
+  CHECK(s1 == s2);  // bit for bit
+  CHECK(s2 == s);
 }
