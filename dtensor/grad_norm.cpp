@@ -1,6 +1,8 @@
 // Gradient norms reduced over the sharded mesh axes of each gradient's own mesh.
 #include "dtensor/grad_norm.h"
 
+#include "engine/optim/clip_grad.h"
+
 #include <cmath>
 #include <limits>
 
@@ -87,16 +89,7 @@ Tensor grad_norm(const std::vector<Tensor>& params, double norm_type, Communicat
 
 Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type, Communicator* across) {
   QUILT_CHECK(max_norm >= 0, "[clip_grad_norm_] max_norm must be >= 0, got ", max_norm);
-  Tensor total = grad_norm(params, norm_type, across);
-  const double norm = total.item<double>();
-  if (!std::isfinite(norm) || norm <= max_norm) return total;
-  const double coef = max_norm / (norm + 1e-6);
-  NoGradGuard ng;
-  for (const Tensor& p : params) {
-    Tensor g = p.defined() ? p.grad() : Tensor();
-    if (g.defined()) g.mul_(coef);  // a distributed gradient scales its local shard
-  }
-  return total;
+  return clip_grads_to_norm_(params, grad_norm(params, norm_type, across), max_norm);
 }
 
 }  // namespace quilt::dtensor

@@ -56,13 +56,17 @@ Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
     }
     return total;
   }
+  return clip_grads_to_norm_(params, total, max_norm);
+}
+
+Tensor clip_grads_to_norm_(const std::vector<Tensor>& params, const Tensor& total, double max_norm) {
   const double norm = total.item<double>();
   if (!std::isfinite(norm) || norm <= max_norm) return total;
   const double coef = max_norm / (norm + 1e-6);
   NoGradGuard ng;
   for (const Tensor& p : params) {
     Tensor g = p.defined() ? p.grad() : Tensor();
-    if (g.defined()) g.mul_(coef);
+    if (g.defined()) g.mul_(coef);  // a distributed gradient scales its local shard
   }
   return total;
 }

@@ -22,4 +22,9 @@ Tensor grad_norm(const std::vector<Tensor>& params, double norm_type = 2.0);
 /// tensor ops, so no rank reads the norm on the host.)
 Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
 
+/// The scaling step of clip_grad_norm_ for a norm computed elsewhere (a plain 0-d tensor, the
+/// same on every rank): scales every gradient by max_norm / (norm + 1e-6) when the norm is
+/// finite and exceeds max_norm. Returns `total`.
+Tensor clip_grads_to_norm_(const std::vector<Tensor>& params, const Tensor& total, double max_norm);
+
 }  // namespace quilt
