@@ -217,6 +217,32 @@ void copy(DType out_dt, DType in_dt, const Loop<2>& loop) {
   if (out_dt == in_dt) {  // same type: move bits (keeps NaN payloads, -0, signalling NaNs)
     auto strided = [&](auto tag) {
       using B = decltype(tag);
+      const int nd = loop.ndim;
+      // A transposing copy (output rows contiguous, input columns contiguous) goes tile by tile,
+      // so both sides stay in cache lines instead of striding through memory.
+      if (nd >= 2 && nd <= 3 && loop.strides[0][nd - 1] == 1 && loop.strides[1][nd - 2] == 1 &&
+          loop.strides[1][nd - 1] != 1) {
+        constexpr int64_t kTile = 32;
+        const int64_t rows = loop.shape[nd - 2], cols = loop.shape[nd - 1], batch = nd == 3 ? loop.shape[0] : 1;
+        const int64_t ors = loop.strides[0][nd - 2], ics = loop.strides[1][nd - 1];
+        const int64_t obs = nd == 3 ? loop.strides[0][0] : 0, ibs = nd == 3 ? loop.strides[1][0] : 0;
+        const int64_t row_tiles = (rows + kTile - 1) / kTile;
+        B* out = static_cast<B*>(loop.data[0]);
+        const B* in = static_cast<const B*>(loop.data[1]);
+        parallel_range(batch * row_tiles, 1, [&](int64_t b, int64_t e) {
+          for (int64_t t = b; t < e; ++t) {
+            const int64_t bi = t / row_tiles, r0 = (t % row_tiles) * kTile, r1 = std::min(rows, r0 + kTile);
+            B* o = out + bi * obs;
+            const B* x = in + bi * ibs;
+            for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+              const int64_t c1 = std::min(cols, c0 + kTile);
+              for (int64_t r = r0; r < r1; ++r)
+                for (int64_t c = c0; c < c1; ++c) o[r * ors + c] = x[r + c * ics];
+            }
+          }
+        });
+        return;
+      }
       const size_t es[2] = {sizeof(B), sizeof(B)};
       parallel_walk(loop, es, [](char** p, int64_t n, const int64_t* s) {
         auto* o = reinterpret_cast<B*>(p[0]);

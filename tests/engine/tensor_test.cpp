@@ -52,3 +52,20 @@ TEST_CASE("tensor: printing shows values, shape and dtype") {
   Tensor x = from_vector({1, 2, 3, 4}, {2, 2}, {.dtype = DType::i64});
   CHECK(x.str() == "Tensor([[1, 2],\n        [3, 4]], shape=(2, 2), dtype=i64, device=cpu)");
 }
+
+TEST_CASE("tensor: transposing copies of every dtype match element by element (tiled path)") {
+  for (DType dt : {DType::f32, DType::bf16, DType::f64, DType::i32, DType::b8}) {
+    Tensor x = randn({3, 37, 45}, RngKey(9, "t")).to(dt);
+    Tensor c = x.transpose(1, 2).contiguous();  // batched 2-D transpose
+    Tensor c2 = x.select(0, 1).transpose(0, 1).contiguous();
+    const std::vector<double> v = x.to_vector(), cv = c.to_vector(), cv2 = c2.to_vector();
+    bool ok = true;
+    for (int64_t b = 0; b < 3; ++b)
+      for (int64_t i = 0; i < 37; ++i)
+        for (int64_t j = 0; j < 45; ++j) {
+          ok = ok && cv[size_t(b * 45 * 37 + j * 37 + i)] == v[size_t(b * 37 * 45 + i * 45 + j)];
+          if (b == 1) ok = ok && cv2[size_t(j * 37 + i)] == v[size_t(b * 37 * 45 + i * 45 + j)];
+        }
+    CHECK_MESSAGE(ok, dtype_name(dt));
+  }
+}
