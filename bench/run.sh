@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# make bench: the CPU benchmark suites on this machine, then the collectives suite under
+# mpirun at 2 and 4 ranks (sizes to 16 MiB). Figures go to stdout; docs/PERF.md records them.
+set -euo pipefail
+build=${1:-build}
+min_time=${QUILT_BENCH_MIN_TIME:-0.3}
+for b in matmul_bench elementwise_bench nn_bench; do
+  echo "== $b"
+  "$build/bench/$b" --benchmark_min_time="$min_time"
+done
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+for np in 2 4; do
+  echo "== collectives_bench, $np ranks"
+  mpiexec -n "$np" --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 --mca mpi_yield_when_idle 1 \
+    "$build/bench/collectives_bench" --benchmark_min_time=0.05 --max_bytes=16777216
+done
