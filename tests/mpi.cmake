@@ -47,12 +47,7 @@ function(quilt_mpi_test name)
 endfunction()
 
 # ---- collectives -------------------------------------------------------------
-add_library(quilt_collectives_suite STATIC collectives/suite.cpp)
-target_link_libraries(quilt_collectives_suite PUBLIC quilt::quilt PRIVATE quilt_flags)
-target_include_directories(quilt_collectives_suite PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/..)
-if(TARGET collectives_tests)
-  target_link_libraries(collectives_tests PRIVATE quilt_collectives_suite)
-endif()
+# quilt_collectives_suite (the shared correctness suite) is defined in tests/CMakeLists.txt.
 
 add_executable(collectives_mpi_suite collectives/mpi_suite.cpp)
 target_link_libraries(collectives_mpi_suite PRIVATE quilt_collectives_suite quilt_flags)
