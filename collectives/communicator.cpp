@@ -249,6 +249,20 @@ void OpExecutor::stop() {
   if (worker_.joinable()) worker_.join();
 }
 
+OpCall split_call(const std::string& comm, int rank, int color, int key, uint64_t seq) {
+  OpCall c;
+  c.desc.kind = OpKind::split;
+  c.desc.seq = seq;
+  c.desc.comm = comm;
+  c.desc.rank = rank;
+  c.color = color;
+  c.key = key;
+  c.sig.seq = seq;
+  c.sig.kind = int32_t(OpKind::split);
+  c.sig.ndim = -1;
+  return c;
+}
+
 }  // namespace detail
 
 // ---- Work ----

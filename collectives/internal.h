@@ -88,6 +88,9 @@ struct OpCall {
   Signature sig;
 };
 
+/// The call record of split(color, key) #seq on communicator `comm` as seen by `rank`.
+OpCall split_call(const std::string& comm, int rank, int color, int key, uint64_t seq);
+
 /// Shared state behind a Work. Host backends complete it with mark_done / mark_failed from the
 /// thread that ran the op; device backends override poll/block for event-based completion.
 class WorkState {

@@ -212,16 +212,7 @@ class ThreadsCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Communicator> do_split(int color, int key, uint64_t seq) override {
-    OpCall c;
-    c.desc.kind = OpKind::split;
-    c.desc.seq = seq;
-    c.desc.comm = name();
-    c.desc.rank = rank();
-    c.color = color;
-    c.key = key;
-    c.sig.seq = seq;
-    c.sig.kind = int32_t(OpKind::split);
-    c.sig.ndim = -1;
+    OpCall c = split_call(name(), rank(), color, key, seq);
     auto w = std::make_shared<WorkState>(c.desc, timeout());
     auto result = std::make_shared<std::shared_ptr<Communicator>>();
     exec_.submit(w, [this, c, result, wp = w.get(), seq]() mutable { *result = run_split(c, *wp, seq); }, false);

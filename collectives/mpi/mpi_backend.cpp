@@ -273,14 +273,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Communicator> do_split(int color, int key, uint64_t seq) override {
-    OpCall c;
-    c.desc.kind = OpKind::split;
-    c.desc.seq = seq;
-    c.desc.comm = name();
-    c.desc.rank = rank();
-    c.sig.seq = seq;
-    c.sig.kind = int32_t(OpKind::split);
-    c.sig.ndim = -1;
+    OpCall c = split_call(name(), rank(), color, key, seq);
     trace_->issued.store(seq);
     auto w = std::make_shared<WorkState>(c.desc, timeout());
     watchdog::watch(w, trace_);
