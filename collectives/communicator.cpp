@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "collectives/internal.h"
+#include "collectives/observer.h"
 #include "engine/autograd.h"
 #include "engine/random.h"
 
@@ -192,6 +193,7 @@ OpExecutor::~OpExecutor() { stop(); }
 
 void OpExecutor::run(const std::shared_ptr<WorkState>& w, Body& body) {
   try {
+    if (w->desc.delay.count() > 0) std::this_thread::sleep_for(w->desc.delay);
     body();
     w->mark_done();
   } catch (const std::exception& e) {
@@ -421,8 +423,33 @@ Tensor Communicator::prepare_output(const Tensor& t, bool read_too, std::vector<
   return tmp;
 }
 
+namespace {
+thread_local const CollectiveObserver* t_observer = nullptr;
+}  // namespace
+
+ScopedCollectiveObserver::ScopedCollectiveObserver(CollectiveObserver observer)
+    : observer_(std::move(observer)), previous_(t_observer) {
+  t_observer = &observer_;
+}
+
+ScopedCollectiveObserver::~ScopedCollectiveObserver() { t_observer = previous_; }
+
+const CollectiveObserver* detail::current_collective_observer() { return t_observer; }
+
 Work Communicator::launch(OpCall&& call, std::vector<std::function<void()>>&& copy_back, bool async_op) {
   call.async = async_op;
+  if (t_observer) {
+    CollectiveRecord r;
+    r.op = op_kind_name(call.desc.kind);
+    r.seq = call.desc.seq;
+    r.comm = call.desc.comm;
+    r.comm_size = size_;
+    r.dtype = call.desc.dtype;
+    r.shape = call.desc.shape;
+    if (call.desc.has_tensor) r.bytes = numel_of(call.desc.shape) * int64_t(dtype_size(call.desc.dtype));
+    r.async = async_op;
+    call.desc.delay = (*t_observer)(r);
+  }
   std::shared_ptr<detail::WorkState> state = start(std::move(call));
   state->copy_back = std::move(copy_back);
   Work w(state);

@@ -44,6 +44,7 @@ struct OpDesc {
   std::optional<ReduceOp> rop;
   int root = -1;        // root of broadcast/reduce, peer of send/recv, number of ops of batch_p2p
   int tag = 0;
+  std::chrono::milliseconds delay{0};  // held back this long before running (an observer's fault injection)
   /// "all_reduce #5 on world (shape (4, 3), f32, sum)".
   std::string str() const;
   /// "all_reduce #5".

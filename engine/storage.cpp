@@ -127,6 +127,22 @@ Storage Storage::allocate(size_t nbytes, Device device) {
   return s;
 }
 
+void Storage::resize_(size_t nbytes) {
+  QUILT_CHECK(impl_ != nullptr, "[storage] resize_ of an undefined storage");
+  const Device device = impl_->device;
+  if (impl_->release) impl_->release();
+  impl_->release = nullptr;
+  impl_->data = nullptr;
+  impl_->nbytes = 0;
+  if (nbytes == 0) return;
+  Allocator* alloc = device.is_cpu() ? cpu_allocator() : cuda::allocator(device.index);
+  const Stream stream = current_stream(device);
+  void* data = alloc->allocate(nbytes, stream);
+  impl_->data = data;
+  impl_->nbytes = nbytes;
+  impl_->release = [alloc, data, nbytes, stream] { alloc->deallocate(data, nbytes, stream); };
+}
+
 Storage Storage::allocate_pinned(size_t nbytes) {
   Allocator* alloc = cuda::pinned_host_allocator();
   const Stream stream = current_stream(Device::cpu());

@@ -74,6 +74,11 @@ class Storage {
   long use_count() const { return impl_.use_count(); }
   /// Identity of the block (two storages alias iff equal).
   const void* id() const { return impl_.get(); }
+  /// Frees the block and, when `nbytes` > 0, puts a fresh one of that size (contents
+  /// undefined) in its place, seen by every tensor viewing this storage. FSDP frees gathered
+  /// parameters after forward this way and refills them before backward, while the autograd
+  /// graph keeps its views. Only for allocated (not borrowed) storage.
+  void resize_(size_t nbytes);
 
  private:
   struct Impl {

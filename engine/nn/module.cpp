@@ -101,11 +101,11 @@ Tensor Module::operator()(const Tensor& x) {
 
 std::vector<Tensor> Module::call_with_hooks(
     std::vector<Tensor> inputs, const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& body) {
-  if (pre_hooks_.empty() && post_hooks_.empty()) return body(inputs);
+  if (pre_hooks_.empty() && post_hooks_.empty() && !wrapper_) return body(inputs);
   // Copies, so a hook may remove itself (or add others) while we iterate.
   auto pre = pre_hooks_;
   for (auto& [id, h] : pre) h(*this, inputs);
-  std::vector<Tensor> outputs = body(inputs);
+  std::vector<Tensor> outputs = wrapper_ ? wrapper_(inputs, body) : body(inputs);
   auto post = post_hooks_;
   for (auto& [id, h] : post) h(*this, inputs, outputs);
   return outputs;

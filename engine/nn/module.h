@@ -99,6 +99,12 @@ using ForwardPreHook = std::function<void(Module& module, std::vector<Tensor>& i
 using ForwardHook =
     std::function<void(Module& module, const std::vector<Tensor>& inputs, std::vector<Tensor>& outputs)>;
 
+/// The body of a module's forward: inputs -> outputs.
+using ForwardBody = std::function<std::vector<Tensor>(const std::vector<Tensor>& inputs)>;
+/// Runs a module's forward body its own way, inside the module's pre- and post-forward hooks
+/// (activation checkpointing: `return checkpoint(body, inputs)`).
+using ForwardWrapper = std::function<std::vector<Tensor>(const std::vector<Tensor>& inputs, const ForwardBody& body)>;
+
 /// Identifies a registered hook, for remove_hook().
 struct HookHandle {
   uint64_t id = 0;
@@ -232,6 +238,10 @@ class Module {
   HookHandle register_forward_hook(ForwardHook hook);
   /// Removes a hook; false if it was not registered here.
   bool remove_hook(HookHandle handle);
+  /// Wraps this module's forward body (between its pre- and post-forward hooks); an empty
+  /// wrapper removes it. A recomputation by the wrapper runs the body only, not the hooks.
+  void set_forward_wrapper(ForwardWrapper wrapper) { wrapper_ = std::move(wrapper); }
+  bool has_forward_wrapper() const { return static_cast<bool>(wrapper_); }
 
   // ---- printing ----
   /// The module tree, one line per module: "Mlp(\n  (up): Linear(in_features=64, ...)\n)".
@@ -272,6 +282,7 @@ class Module {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   std::vector<std::pair<uint64_t, ForwardPreHook>> pre_hooks_;
   std::vector<std::pair<uint64_t, ForwardHook>> post_hooks_;
+  ForwardWrapper wrapper_;
 };
 
 }  // namespace quilt
