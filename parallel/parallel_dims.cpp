@@ -1,6 +1,7 @@
 // ParallelDims: validation of the distributed: section and the mesh shapes it implies.
 #include "parallel/parallel_dims.h"
 
+#include <algorithm>
 
 #include "engine/error.h"
 
@@ -26,7 +27,96 @@ void check_positive(const char* key, int64_t v) {
   QUILT_CHECK(v >= 1, "[distributed] ", key, " must be >= 1, got ", v);
 }
 
+const std::vector<std::string> kMainAxes = {"pp", "dp_replicate", "dp_shard", "cp", "tp"};
+const std::vector<std::string> kMoeAxes = {"pp", "ep_shard", "ep"};
+// The flattened views of the main mesh, by name.
+const std::vector<std::pair<std::string, std::vector<std::string>>> kViews = {
+    {"dp", {"dp_replicate", "dp_shard"}},
+    {"dp_shard_cp", {"dp_shard", "cp"}},
+    {"dp_cp", {"dp_replicate", "dp_shard", "cp"}}};
+
+bool is_main_axis(const std::string& n) { return std::find(kMainAxes.begin(), kMainAxes.end(), n) != kMainAxes.end(); }
+
+std::string known_names() {
+  std::string s = "pp, dp_replicate, dp_shard, cp, tp";
+  for (const auto& [v, axes] : kViews) s += ", " + v;
+  return s + ", ep_shard, ep";
+}
+
 }  // namespace
+
+struct Meshes::Views {
+  std::mutex mu;
+  std::map<std::string, DeviceMesh> subs;  // sub() results by joined names
+};
+
+std::vector<std::string> Meshes::axes_of(const std::string& name) {
+  if (is_main_axis(name)) return {name};
+  for (const auto& [v, axes] : kViews)
+    if (v == name) return axes;
+  fail("[meshes] '", name, "' is not a main-mesh axis or view (", known_names(), ")");
+}
+
+DeviceMesh Meshes::operator[](const std::string& name) const {
+  QUILT_CHECK(main.defined(), "[meshes] no meshes built (use ParallelDims::build_meshes)");
+  if (is_main_axis(name)) return main[name];
+  if (name == "ep" || name == "ep_shard") return moe[name];
+  for (const auto& [v, axes] : kViews)
+    if (v == name) return main.flatten(axes, v);  // built by build_meshes: cached, no communication
+  fail("[meshes] no mesh called '", name, "' (", known_names(), ")");
+}
+
+DeviceMesh Meshes::sub(const std::vector<std::string>& names) const {
+  QUILT_CHECK(!names.empty(), "[meshes] sub() needs at least one name");
+  if (names.size() == 1) return (*this)[names[0]];
+  std::string key;
+  for (const auto& n : names) key += n + ",";
+  {
+    std::lock_guard<std::mutex> lock(views->mu);
+    if (auto it = views->subs.find(key); it != views->subs.end()) return it->second;
+  }
+  std::vector<std::string> axes;
+  bool plain = true;
+  Shape shape;
+  for (const auto& n : names) {
+    const std::vector<std::string> a = axes_of(n);
+    plain = plain && a.size() == 1;
+    int64_t size = 1;
+    for (const auto& x : a) {
+      QUILT_CHECK(axes.empty() || main.axis(x) > main.axis(axes.back()), "[meshes] sub(", key,
+                  ") must name disjoint axes in main-mesh order (pp, dp_replicate, dp_shard, cp, tp)");
+      axes.push_back(x);
+      size *= main.size(main.axis(x));
+    }
+    shape.push_back(size);
+  }
+  DeviceMesh part = main.sub(axes);
+  // A flattened view is a reshape of the row-major positions of its axes, so a mesh of the
+  // views' sizes over the same ranks, in the same order, has the views as its axes.
+  DeviceMesh m = plain ? part : DeviceMesh(part.comm().shared_from_this(), shape, names);
+  std::lock_guard<std::mutex> lock(views->mu);
+  return views->subs.emplace(key, m).first->second;
+}
+
+Meshes ParallelDims::build_meshes(std::shared_ptr<Communicator> world) const {
+  QUILT_CHECK(world != nullptr, "[meshes] got a null communicator");
+  QUILT_CHECK(world->size() == world_, "[meshes] the communicator has ", world->size(),
+              " ranks but the layout was validated for a world of ", world_, " (", mesh_string(), ")");
+  Meshes m;
+  m.views = std::make_shared<Meshes::Views>();
+  Shape shape;
+  for (const MeshAxis& a : mesh_axes()) shape.push_back(a.size);
+  m.main = DeviceMesh(world, shape, kMainAxes);
+  // Every rank builds the views in this order, so later lookups need no communication.
+  for (const auto& [v, axes] : kViews) m.main.flatten(axes, v);
+  // The MoE mesh lies over the ranks of this rank's tp coordinate, in main-mesh order.
+  DeviceMesh slice = m.main.sub({"pp", "dp_replicate", "dp_shard", "cp"});
+  m.moe = DeviceMesh(slice.comm().shared_from_this(), {pp(), ep_shard(), ep()}, kMoeAxes);
+  // HSDP's two meshes (FSDP over dp_shard[_cp], replicas over dp_replicate), also built up front.
+  m.sub({"dp_replicate", "dp_shard"});
+  m.sub({"dp_replicate", "dp_shard_cp"});
+  return m;
+}
 
 const char* strategy_name(Strategy s) {
   switch (s) {

@@ -6,14 +6,21 @@
 //   ParallelDims dims(dc, /*world_size=*/8);        // dp inferred: 8 / (tp 2 * pp 1 * cp 1) = 4
 //   dims.mesh_string();   // "mesh: world=8 dp_replicate=1 dp_shard=4 cp=1 tp=2 pp=1 ep=1"
 //   dims.mesh_axes();     // {pp 1, dp_replicate 1, dp_shard 4, cp 1, tp 2}
+//   Meshes m = dims.build_meshes(world_ptr());      // collective over the world, once at start-up
+//   m["tp"];  m["dp_shard_cp"];  m.sub({"dp_replicate", "dp_shard_cp"});  m["ep"];
 //
 // "axis" always means a mesh axis here, never a tensor dim.
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "dtensor/mesh.h"
 
 namespace quilt {
 
@@ -73,6 +80,41 @@ struct MeshCoords {
   friend bool operator==(const MeshCoords&, const MeshCoords&) = default;
 };
 
+/// Every device mesh of a run, built once by ParallelDims::build_meshes (the only place meshes
+/// are made). Names a caller may ask for:
+///   main axes       pp, dp_replicate, dp_shard, cp, tp   (1-D sub-meshes of `main`)
+///   flattened views dp = dp_replicate x dp_shard, dp_shard_cp = dp_shard x cp,
+///                   dp_cp = dp_replicate x dp_shard x cp  (1-D, ranks in row-major order)
+///   MoE axes        ep_shard, ep                         (1-D sub-meshes of `moe`)
+/// All size-1 axes exist, so a caller never branches on whether a parallelism is on.
+/// A cheap handle: copies share the meshes (and the cache of sub()).
+struct Meshes {
+  /// (pp, dp_replicate, dp_shard, cp, tp) over the world, row-major (tp fastest).
+  DeviceMesh main;
+  /// (pp, ep_shard, ep) over the world / tp ranks that share this rank's tp coordinate (one
+  /// MoE mesh per tp coordinate), row-major over them in main-mesh order: an ep group is
+  /// ep ranks consecutive in (dp_replicate, dp_shard, cp) order with one pp and tp coordinate.
+  /// Its ranks() are ranks of that tp slice's communicator, not of the world.
+  DeviceMesh moe;
+
+  /// The 1-D mesh called `name` (a main or MoE axis, or a flattened view; see above); throws
+  /// listing the names when unknown. No communication.
+  DeviceMesh operator[](const std::string& name) const;
+  /// An n-D mesh of the axes or views `names`, in main-mesh order and disjoint — e.g. HSDP's
+  /// sub({"dp_replicate", "dp_shard_cp"}) or sub({"dp_shard", "tp"}). Plain main axes give
+  /// main.sub(names); with a flattened view a new mesh is built over those ranks (collective
+  /// over them the first time: every rank asks in the same order; cached afterwards).
+  DeviceMesh sub(const std::vector<std::string>& names) const;
+  /// The size of the axis or view `name`.
+  int64_t size(const std::string& name) const { return (*this)[name].size(); }
+
+  /// The main axes a view stands for ({"dp_shard", "cp"} for "dp_shard_cp"; {name} for an axis).
+  static std::vector<std::string> axes_of(const std::string& name);
+
+  struct Views;
+  std::shared_ptr<Views> views;  // flattened views and sub() results
+};
+
 /// Validated parallel degrees of a run. The main mesh is (pp, dp_replicate, dp_shard, cp, tp),
 /// row-major over ranks (tp varies fastest), as torchtitan lays it out; the MoE mesh is
 /// (pp, ep_shard, ep) with ep_shard = dp * cp / ep.
@@ -109,6 +151,10 @@ class ParallelDims {
   MeshCoords coords(int64_t rank) const;
   /// The data-parallel rank of `rank` in [0, dp()): which slice of each global batch it reads.
   int64_t dp_rank(int64_t rank) const;
+
+  /// Builds the main mesh, its flattened views and the MoE mesh over `world` (whose size must be
+  /// world()). Collective over `world`: every rank calls it once, at start-up.
+  Meshes build_meshes(std::shared_ptr<Communicator> world) const;
 
   /// Rejects a sequence length the context/sequence-parallel split cannot divide (names train.seq_len).
   void check_seq_len(int64_t seq_len) const;

@@ -4,6 +4,8 @@
 #include <map>
 #include <set>
 
+#include "collectives/communicator.h"
+#include "engine/engine.h"
 #include "engine/error.h"
 #include "parallel/parallel_dims.h"
 
@@ -183,4 +185,138 @@ TEST_CASE("parallel_dims: strategy names parse and print back") {
   for (Strategy s : {Strategy::kFsdp2, Strategy::kMegatronFsdp, Strategy::kDdp})
     CHECK(parse_strategy(strategy_name(s)) == s);
   CHECK_THROWS_WITH_AS(parse_strategy("zero3"), doctest::Contains("strategy 'zero3' is not one of"), Error);
+}
+
+namespace {
+
+// World ranks of the group `c` (in c's rank order), gathered from each member's world rank.
+std::vector<int64_t> members(Communicator& c, int world_rank) {
+  Tensor mine = full({1}, double(world_rank), {.dtype = DType::i64});
+  Tensor all = zeros({c.size()}, {.dtype = DType::i64});
+  c.all_gather(all, mine);
+  std::vector<int64_t> out;
+  for (double v : all.to_vector()) out.push_back(int64_t(v));
+  return out;
+}
+
+std::vector<int64_t> as_i64(const std::vector<int>& v) { return {v.begin(), v.end()}; }
+
+// The world ranks that agree with `rank` on every main axis outside `axes`, in world order.
+std::vector<int64_t> expected_group(const ParallelDims& d, int64_t rank, const std::set<std::string>& axes) {
+  auto get = [](const MeshCoords& m, const std::string& a) {
+    return a == "pp" ? m.pp : a == "dp_replicate" ? m.dp_replicate : a == "dp_shard" ? m.dp_shard : a == "cp" ? m.cp : m.tp;
+  };
+  const MeshCoords me = d.coords(rank);
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < d.world(); ++r) {
+    const MeshCoords o = d.coords(r);
+    bool same = true;
+    for (const char* a : {"pp", "dp_replicate", "dp_shard", "cp", "tp"})
+      if (!axes.count(a)) same = same && get(o, a) == get(me, a);
+    if (same) out.push_back(r);
+  }
+  return out;
+}
+
+// Index of `rank` along (dp_replicate, dp_shard, cp), row-major.
+int64_t dp_cp_index(const ParallelDims& d, int64_t rank) {
+  const MeshCoords m = d.coords(rank);
+  return (m.dp_replicate * d.dp_shard() + m.dp_shard) * d.cp() + m.cp;
+}
+
+// Checks every mesh of `meshes` on this rank against the layout's arithmetic.
+void check_meshes(const ParallelDims& d, const Meshes& meshes, int rank) {
+  const MeshCoords c = d.coords(rank);
+  CHECK(meshes.main.axis_names() == std::vector<std::string>{"pp", "dp_replicate", "dp_shard", "cp", "tp"});
+  CHECK(meshes.main.coordinate() == Shape{c.pp, c.dp_replicate, c.dp_shard, c.cp, c.tp});
+  const std::vector<std::pair<std::string, std::set<std::string>>> views = {
+      {"pp", {"pp"}}, {"dp_replicate", {"dp_replicate"}}, {"dp_shard", {"dp_shard"}}, {"cp", {"cp"}}, {"tp", {"tp"}},
+      {"dp", {"dp_replicate", "dp_shard"}}, {"dp_shard_cp", {"dp_shard", "cp"}},
+      {"dp_cp", {"dp_replicate", "dp_shard", "cp"}}};
+  for (const auto& [name, axes] : views) {
+    CAPTURE(name);
+    const DeviceMesh m = meshes[name];
+    const std::vector<int64_t> want = expected_group(d, rank, axes);
+    CHECK(m.ndim() == 1);
+    CHECK(m.axis_names()[0] == name);
+    CHECK(as_i64(m.ranks()) == want);
+    CHECK(members(m.comm(0), rank) == want);
+    CHECK(want[size_t(m.coordinate(0))] == rank);
+    CHECK(meshes.size(name) == int64_t(want.size()));
+  }
+  CHECK(meshes.size("dp") == d.dp());
+  CHECK(meshes.size("dp_shard_cp") == d.dp_shard_cp());
+  CHECK(meshes.size("dp_cp") == d.dp_cp());
+
+  // MoE: ep groups are ep consecutive ranks in (dp_replicate, dp_shard, cp) order with this
+  // rank's pp and tp coordinates; ep_shard groups take every ep-th of them.
+  CHECK(meshes.moe.shape() == Shape{d.pp(), d.ep_shard(), d.ep()});
+  const std::vector<int64_t> slice = expected_group(d, rank, {"dp_replicate", "dp_shard", "cp"});
+  std::vector<int64_t> ep_want, ep_shard_want;
+  for (int64_t r : slice) {
+    if (dp_cp_index(d, r) / d.ep() == dp_cp_index(d, rank) / d.ep()) ep_want.push_back(r);
+    if (dp_cp_index(d, r) % d.ep() == dp_cp_index(d, rank) % d.ep()) ep_shard_want.push_back(r);
+  }
+  CHECK(members(meshes["ep"].comm(0), rank) == ep_want);
+  CHECK(members(meshes["ep_shard"].comm(0), rank) == ep_shard_want);
+  CHECK(members(meshes.moe.comm(0), rank) == expected_group(d, rank, {"pp"}));
+  CHECK(meshes.moe.coordinate() == Shape{c.pp, dp_cp_index(d, rank) / d.ep(), dp_cp_index(d, rank) % d.ep()});
+
+  // HSDP's 2-D mesh: replicas over dp_replicate, shards over dp_shard x cp.
+  const DeviceMesh hsdp = meshes.sub({"dp_replicate", "dp_shard_cp"});
+  CHECK(hsdp.axis_names() == std::vector<std::string>{"dp_replicate", "dp_shard_cp"});
+  CHECK(hsdp.shape() == Shape{d.dp_replicate(), d.dp_shard_cp()});
+  CHECK(hsdp.coordinate() == Shape{c.dp_replicate, c.dp_shard * d.cp() + c.cp});
+  CHECK(members(hsdp.comm(0), rank) == expected_group(d, rank, {"dp_replicate"}));
+  CHECK(members(hsdp.comm(1), rank) == expected_group(d, rank, {"dp_shard", "cp"}));
+  const DeviceMesh dp_tp = meshes.sub({"dp_shard", "tp"});  // plain axes: a sub-mesh of main
+  CHECK(dp_tp.shape() == Shape{d.dp_shard(), d.tp()});
+  CHECK(as_i64(dp_tp.ranks()) == expected_group(d, rank, {"dp_shard", "tp"}));
+}
+
+struct Layout {
+  int world;
+  int64_t tp = 1, pp = 1, cp = 1, ep = 1, dp_replicate = 1;
+};
+
+}  // namespace
+
+TEST_CASE("parallel_dims: build_meshes gives every rank its coordinates, views and ep groups (world 1, 2, 4, 8)") {
+  const std::vector<Layout> layouts = {
+      {1},
+      {2, 2},                    // tp 2
+      {2},                       // dp_shard 2
+      {2, 1, 2},                 // pp 2
+      {2, 1, 1, 2, 2},           // cp 2, ep 2
+      {4, 2},                    // dp_shard 2 x tp 2
+      {4, 1, 1, 1, 2, 2},        // HSDP 2 x 2, ep 2
+      {4, 2, 1, 2},              // cp 2 x tp 2
+      {4, 1, 2, 1, 2},           // pp 2 x dp_shard 2, ep 2
+      {8, 2, 2, 1, 2},           // pp 2 x dp_shard 2 x tp 2, ep 2
+      {8, 2, 1, 1, 2, 2},        // HSDP 2 x 2 x tp 2, ep 2
+      {8, 2, 1, 2, 4},           // dp_shard 2 x cp 2 x tp 2, ep 4 = dp * cp
+      {8, 1, 1, 2, 2, 2},        // HSDP 2 x 2 x cp 2, ep 2
+  };
+  for (const Layout& l : layouts) {
+    DistributedConfig c = dist(l.tp, l.pp, l.cp, l.ep);
+    if (l.dp_replicate > 1) c.dp_replicate_size = l.dp_replicate;
+    const ParallelDims d(c, l.world);
+    CAPTURE(d.mesh_string());
+    run_threads_group(l.world, [&](Communicator& comm) {
+      const Meshes m = d.build_meshes(comm.shared_from_this());
+      check_meshes(d, m, comm.rank());
+    });
+  }
+}
+
+TEST_CASE("parallel_dims: build_meshes refuses a world of another size, and unknown mesh names are named") {
+  run_threads_group(2, [](Communicator& comm) {
+    const ParallelDims d(dist(), 4);
+    CHECK_THROWS_WITH_AS(d.build_meshes(comm.shared_from_this()),
+                         doctest::Contains("the communicator has 2 ranks but the layout was validated for a world of 4"),
+                         Error);
+    const Meshes m = ParallelDims(dist(2), 2).build_meshes(comm.shared_from_this());
+    CHECK_THROWS_WITH_AS(m["dq"], doctest::Contains("no mesh called 'dq'"), Error);
+    CHECK_THROWS_WITH_AS(m.sub({"tp", "dp_shard"}), doctest::Contains("main-mesh order"), Error);
+  });
 }
