@@ -134,6 +134,16 @@ const std::shared_ptr<Module>& ModuleList::operator[](size_t i) const {
   return items_[i];
 }
 
+const std::shared_ptr<Module>& ModuleDict::operator[](const std::string& key) const {
+  const auto* m = items_.find(key);
+  if (!m) {
+    std::string known;
+    for (const auto& k : items_.keys()) known += (known.empty() ? "" : ", ") + k;
+    fail("[ModuleDict] no module under key '", key, "' (keys: ", known, ")");
+  }
+  return *m;
+}
+
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
   for (const auto& m : *this) y = (*m)(y);

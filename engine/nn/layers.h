@@ -1,5 +1,5 @@
 // Standard layers on top of Module: Linear, Embedding, RMSNorm, LayerNorm, Dropout and the
-// containers ModuleList and Sequential. Each takes TensorOptions for the dtype/device of its
+// containers ModuleList, ModuleDict and Sequential. Each takes TensorOptions for the dtype/device of its
 // parameters, creates them uninitialised, and says in reset_parameter() how they start:
 //   Linear     weight ~ N(0, init_std = 0.02), bias = 0   (the HF `initializer_range` scheme
 //              of GPT-2/Llama; chosen over kaiming-uniform because it does not depend on the
@@ -142,6 +142,41 @@ class ModuleList : public Module {
 
  private:
   std::vector<std::shared_ptr<Module>> items_;
+};
+
+/// Modules registered under string keys, in insertion order; it has no forward. A model's
+/// blocks keyed by global layer index ("4", "5", ...) keep their names when a pipeline stage
+/// holds only some of them.
+class ModuleDict : public Module {
+ public:
+  ModuleDict() : Module("ModuleDict") {}
+  /// Adds `m` under `key` (a new key with no '.') and returns it.
+  template <class M>
+  std::shared_ptr<M> insert(const std::string& key, std::shared_ptr<M> m) {
+    register_module(key, m);
+    items_.insert(key, m);
+    return m;
+  }
+  /// The module under `key` (throws naming the key when absent).
+  const std::shared_ptr<Module>& operator[](const std::string& key) const;
+  /// The module under `key` as an M (throws when absent or of another type).
+  template <class M>
+  M& at(const std::string& key) const {
+    auto* p = dynamic_cast<M*>((*this)[key].get());
+    QUILT_CHECK(p != nullptr, "[ModuleDict] '", key, "' is a ", (*this)[key]->type_name(), ", not the type asked for");
+    return *p;
+  }
+  bool contains(const std::string& key) const { return items_.contains(key); }
+  /// Keys in insertion order.
+  std::vector<std::string> keys() const { return items_.keys(); }
+  size_t size() const { return items_.size(); }
+  bool empty() const { return items_.empty(); }
+  /// (key, module) pairs in insertion order.
+  auto begin() const { return items_.begin(); }
+  auto end() const { return items_.end(); }
+
+ private:
+  OrderedDict<std::shared_ptr<Module>> items_;
 };
 
 /// A ModuleList whose forward feeds each module's output to the next.

@@ -137,9 +137,15 @@ LlamaAttention::LlamaAttention(const LlamaConfig& cfg)
   for (auto* l : {q_proj.get(), k_proj.get(), v_proj.get(), o_proj.get()}) l->init_std = cfg.initializer_range;
 }
 
+Tensor LlamaAttention::operator()(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  return call_with_hooks({x, cos, sin}, [this](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{forward_rope(in[0], in[1], in[2])};
+  })[0];
+}
+
 Tensor LlamaAttention::forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   const int64_t b = x.size(0), t = x.size(1);
-  // (B, T, H*D) -> (B, H, T, D)
+  // (B, T, H*D) -> (B, H, T, D); under tensor parallelism H is this rank's heads.
   Tensor q = (*q_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
   Tensor k = (*k_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
   Tensor v = (*v_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
@@ -166,51 +172,138 @@ LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& cfg) : Module("LlamaDeco
       register_module("post_attention_layernorm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
 }
 
-Tensor LlamaDecoderLayer::forward(const Tensor& x) {
-  QUILT_CHECK(cos_.defined(), "[LlamaDecoderLayer] rotary tables not set (call through LlamaModel)");
-  Tensor h = x + self_attn->forward_rope((*input_layernorm)(x), cos_, sin_);
+Tensor LlamaDecoderLayer::operator()(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  return call_with_hooks({x, cos, sin}, [this](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{forward_block(in[0], in[1], in[2])};
+  })[0];
+}
+
+Tensor LlamaDecoderLayer::forward_block(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  Tensor h = x + (*self_attn)((*input_layernorm)(x), cos, sin);
   return h + (*mlp)((*post_attention_layernorm)(h));
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& cfg) : Module("LlamaModel"), cfg_(cfg) {
+Tensor LlamaDecoderLayer::forward(const Tensor& x) {
+  QUILT_CHECK(cos_.defined(), "[LlamaDecoderLayer] no rotary tables: call it as layer(x, cos, sin)");
+  return forward_block(x, cos_, sin_);
+}
+
+namespace {
+
+// The stage with end_layer resolved; throws naming the field that is out of range.
+LlamaStage resolve(const LlamaConfig& cfg, LlamaStage st) {
+  const int64_t n = cfg.num_hidden_layers;
+  if (st.end_layer < 0) st.end_layer = n;
+  QUILT_CHECK(st.first_layer >= 0 && st.first_layer <= st.end_layer && st.end_layer <= n, "[llama stage] layers [",
+              st.first_layer, ", ", st.end_layer, ") are not a range of the ", n, " layers (first_layer, end_layer)");
+  QUILT_CHECK(!cfg.tie_word_embeddings || st.embed == st.head, "[llama stage] tie_word_embeddings shares the "
+              "embedding with the head, so a stage holds both or neither (embed=", st.embed, ", head=", st.head, ")");
+  return st;
+}
+
+}  // namespace
+
+LlamaModel::LlamaModel(const LlamaConfig& cfg, const LlamaStage& stage) : Module("LlamaModel"), cfg_(cfg) {
   cfg.validate();
-  embed_tokens = register_module("embed_tokens", std::make_shared<Embedding>(cfg.vocab_size, cfg.hidden_size));
-  embed_tokens->init_std = cfg.initializer_range;
-  layers = register_module("layers", std::make_shared<ModuleList>());
-  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
-    blocks.push_back(layers->push_back(std::make_shared<LlamaDecoderLayer>(cfg)));
-  norm = register_module("norm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
+  const LlamaStage st = resolve(cfg, stage);
+  if (st.embed) {
+    embed_tokens = register_module("embed_tokens", std::make_shared<Embedding>(cfg.vocab_size, cfg.hidden_size));
+    embed_tokens->init_std = cfg.initializer_range;
+  }
+  layers = register_module("layers", std::make_shared<ModuleDict>());
+  for (int64_t i = st.first_layer; i < st.end_layer; ++i)
+    blocks.push_back(layers->insert(std::to_string(i), std::make_shared<LlamaDecoderLayer>(cfg)));
+  if (st.head) norm = register_module("norm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
   auto [c, s] = rope_tables(cfg, cfg.max_position_embeddings);
   register_buffer("rope_cos", c, /*persistent=*/false);
   register_buffer("rope_sin", s, /*persistent=*/false);
 }
 
-Tensor LlamaModel::forward(const Tensor& tokens) {
-  QUILT_CHECK(tokens.dim() == 2, "[LlamaModel] tokens must be (batch, seq), got shape ", tokens.shape());
-  const int64_t t = tokens.size(1);
-  QUILT_CHECK(t <= cfg_.max_position_embeddings, "[LlamaModel] sequence length ", t,
-              " exceeds max_position_embeddings=", cfg_.max_position_embeddings);
-  Tensor c = buffer("rope_cos").narrow(0, 0, t), s = buffer("rope_sin").narrow(0, 0, t);
-  Tensor h = (*embed_tokens)(tokens);
-  if (after_embedding) h = after_embedding(h);
-  for (auto& blk : blocks) {
-    blk->set_rope(c, s);
-    h = block_runner ? block_runner(*blk, h) : (*blk)(h);
-  }
-  return (*norm)(h);
+std::vector<int64_t> LlamaModel::layer_indices() const {
+  std::vector<int64_t> out;
+  for (const auto& k : layers->keys()) out.push_back(std::stoll(k));
+  return out;
 }
 
-LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& cfg) : Module("LlamaForCausalLM"), cfg_(cfg) {
-  model = register_module("model", std::make_shared<LlamaModel>(cfg));
-  if (!cfg.tie_word_embeddings) {
+std::pair<Tensor, Tensor> LlamaModel::rope(const Tensor& positions) {
+  QUILT_CHECK(positions.defined() && (positions.dim() == 1 || positions.dim() == 2) &&
+                  (positions.dtype() == DType::i64 || positions.dtype() == DType::i32),
+              "[LlamaModel] positions must be (T) or (B, T) integers, got ",
+              positions.defined() ? detail::concat(positions.shape(), " ", dtype_name(positions.dtype())) : "none");
+  // Rows of the precomputed tables picked by position: a position past the table is refused
+  // by the lookup, naming it.
+  Tensor c = embedding(buffer("rope_cos"), positions), s = embedding(buffer("rope_sin"), positions);
+  if (positions.dim() == 2) {  // (B, T, D/2) -> (B, 1, T, D/2): one table per sequence, shared by its heads
+    c = unsqueeze(c, 1);
+    s = unsqueeze(s, 1);
+  }
+  return {c, s};
+}
+
+Tensor LlamaModel::operator()(const Tensor& x, const Tensor& positions) {
+  return call_with_hooks({x, positions}, [this](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{forward(in[0], in[1])};
+  })[0];
+}
+
+Tensor LlamaModel::forward(const Tensor& x, const Tensor& positions) {
+  Tensor h = x;
+  if (embed_tokens) {
+    QUILT_CHECK(x.dim() == 2 && !is_floating(x.dtype()), "[LlamaModel] tokens must be (batch, seq) integers, got shape ",
+                x.shape(), " ", dtype_name(x.dtype()));
+    h = (*embed_tokens)(x);
+    if (after_embedding) h = after_embedding(h);
+  } else {
+    QUILT_CHECK(x.dim() == 3 && is_floating(x.dtype()), "[LlamaModel] this stage holds no embedding: it takes hidden "
+                "states (batch, seq, ", cfg_.hidden_size, "), got shape ", x.shape(), " ", dtype_name(x.dtype()));
+  }
+  auto [c, s] = rope(positions);
+  for (const auto& [key, m] : *layers) {
+    auto& blk = static_cast<LlamaDecoderLayer&>(*m);
+    if (block_runner) {
+      blk.set_rope(c, s);
+      h = block_runner(blk, h);
+    } else {
+      h = blk(h, c, s);
+    }
+  }
+  return norm ? (*norm)(h) : h;
+}
+
+Tensor LlamaModel::forward(const Tensor& x) {
+  QUILT_CHECK(x.dim() >= 2, "[LlamaModel] input must be (batch, seq, ...), got shape ", x.shape());
+  const int64_t t = x.size(1);
+  QUILT_CHECK(t <= cfg_.max_position_embeddings, "[LlamaModel] sequence length ", t,
+              " exceeds max_position_embeddings=", cfg_.max_position_embeddings);
+  return forward(x, arange(0, double(t)));
+}
+
+LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& cfg, const LlamaStage& stage)
+    : Module("LlamaForCausalLM"), cfg_(cfg), stage_(resolve(cfg, stage)) {
+  model = register_module("model", std::make_shared<LlamaModel>(cfg, stage_));
+  if (stage_.head && !cfg.tie_word_embeddings) {
     lm_head = register_module("lm_head", std::make_shared<Linear>(cfg.hidden_size, cfg.vocab_size, false));
     lm_head->init_std = cfg.initializer_range;
   }
 }
 
-Tensor LlamaForCausalLM::forward(const Tensor& tokens) {
-  Tensor h = (*model)(tokens);
+Tensor LlamaForCausalLM::operator()(const Tensor& x, const Tensor& positions) {
+  return call_with_hooks({x, positions}, [this](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{forward(in[0], in[1])};
+  })[0];
+}
+
+Tensor LlamaForCausalLM::forward(const Tensor& x, const Tensor& positions) {
+  Tensor h = (*model)(x, positions);
+  if (!has_head()) return h;
   return lm_head ? (*lm_head)(h) : linear(h, model->embed_tokens->weight());
+}
+
+Tensor LlamaForCausalLM::forward(const Tensor& x) {
+  QUILT_CHECK(x.dim() >= 2, "[LlamaForCausalLM] input must be (batch, seq, ...), got shape ", x.shape());
+  QUILT_CHECK(x.size(1) <= cfg_.max_position_embeddings, "[LlamaForCausalLM] sequence length ", x.size(1),
+              " exceeds max_position_embeddings=", cfg_.max_position_embeddings);
+  return forward(x, arange(0, double(x.size(1))));
 }
 
 Tensor LlamaForCausalLM::loss(const Tensor& inputs, const Tensor& targets) {
@@ -242,8 +335,9 @@ void load_hf_weights(Module& model, const std::string& path) {
 double LlamaForCausalLM::flops_per_token(int64_t seq_len) const {
   double n = 0;
   for (const Tensor& p : parameters()) n += double(p.numel());
-  n -= double(cfg_.vocab_size * cfg_.hidden_size) * (cfg_.tie_word_embeddings ? 0 : 1);  // embedding lookup is free
-  const double attn = 12.0 * double(cfg_.num_hidden_layers) * double(cfg_.num_attention_heads * cfg_.head_dim) *
+  if (has_embedding() && !cfg_.tie_word_embeddings)
+    n -= double(cfg_.vocab_size * cfg_.hidden_size);  // the embedding lookup is free
+  const double attn = 12.0 * double(model->layers->size()) * double(cfg_.num_attention_heads * cfg_.head_dim) *
                       double(seq_len) / 2;  // causal: half the score matrix
   return 6.0 * n + attn;
 }

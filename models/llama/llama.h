@@ -1,11 +1,17 @@
 // Llama-style decoder (token embedding, RMSNorm, rotary embeddings with optional llama3
 // scaling, grouped-query attention, SwiGLU MLP, optional tied embeddings), configured by the
 // fields of a HF config.json and named as HF names its weights, so checkpoints interchange.
+// A model may be one pipeline stage: it holds decoder layers [first, end) under their global
+// indices ("model.layers.4..."), and the embedding and the final norm + head only if asked.
 //
 //   LlamaConfig cfg = LlamaConfig::from_json(json_text);
 //   auto model = std::make_shared<LlamaForCausalLM>(cfg);
-//   model->init_weights(seed);                       // same values in every layout
-//   Tensor loss = model->loss(inputs, targets);      // inputs/targets (B, T) i64
+//   model->init_weights(seed);                        // same values in every layout
+//   Tensor pos = arange(0, T);                        // (T) or (B, T) i64
+//   Tensor logits = (*model)(tokens, pos);            // tokens (B, T) i64 -> (B, T, V)
+//   LlamaForCausalLM first(cfg, {.first_layer = 0, .end_layer = 2, .head = false});
+//   LlamaForCausalLM last(cfg, {.first_layer = 2, .embed = false});
+//   Tensor same = last(first(tokens, pos), pos);      // hidden (B, T, C) between stages
 #pragma once
 
 #include <memory>
@@ -54,10 +60,24 @@ struct LlamaConfig {
 /// Rotary tables (cos, sin), each (max_positions, head_dim / 2), in f32.
 std::pair<Tensor, Tensor> rope_tables(const LlamaConfig& cfg, int64_t max_positions);
 
+/// The part of the model one pipeline stage holds: decoder layers [first_layer, end_layer)
+/// (global indices; end_layer -1 means num_hidden_layers), the token embedding, and the final
+/// norm with the lm_head. The default is the whole model.
+struct LlamaStage {
+  int64_t first_layer = 0;
+  int64_t end_layer = -1;
+  bool embed = true;
+  bool head = true;
+};
+
 class LlamaAttention : public Module {
  public:
   explicit LlamaAttention(const LlamaConfig& cfg);
-  /// x (B, T, C) with rotary tables (T, D/2) -> (B, T, C), causal.
+  /// x (B, T, C) with rotary tables broadcastable to (B, H, T, D/2) -> (B, T, C), causal;
+  /// through the module's hooks, which see all three inputs.
+  Tensor operator()(const Tensor& x, const Tensor& cos, const Tensor& sin);
+  using Module::operator();
+  /// The computation of operator() without the hooks.
   Tensor forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
 
@@ -75,30 +95,52 @@ class LlamaMLP : public Module {
 class LlamaDecoderLayer : public Module {
  public:
   explicit LlamaDecoderLayer(const LlamaConfig& cfg);
-  /// One block; the rotary tables for this sequence length are set by the model before the call.
+  /// One block: x (B, T, C) with rotary tables broadcastable to (B, H, T, D/2), through the
+  /// module's hooks and forward wrapper (which see all three inputs).
+  Tensor operator()(const Tensor& x, const Tensor& cos, const Tensor& sin);
+  using Module::operator();
+  /// The computation of operator() without the hooks.
+  Tensor forward_block(const Tensor& x, const Tensor& cos, const Tensor& sin);
+  /// One block with the tables of set_rope() (the trainer's block_runner path).
+  // removed when the trainer moves to parallelize_llama
   Tensor forward(const Tensor& x) override;
+  // removed when the trainer moves to parallelize_llama
   void set_rope(Tensor cos, Tensor sin) { cos_ = std::move(cos); sin_ = std::move(sin); }
   std::shared_ptr<LlamaAttention> self_attn;
   std::shared_ptr<LlamaMLP> mlp;
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
 
  private:
-  Tensor cos_, sin_;
+  Tensor cos_, sin_;  // removed when the trainer moves to parallelize_llama
 };
 
 class LlamaModel : public Module {
  public:
-  explicit LlamaModel(const LlamaConfig& cfg);
-  /// tokens (B, T) -> hidden states (B, T, C).
-  Tensor forward(const Tensor& tokens) override;
-  std::shared_ptr<Embedding> embed_tokens;
-  std::shared_ptr<ModuleList> layers;
-  std::shared_ptr<RMSNorm> norm;
-  /// The decoder blocks (each one FSDP unit / activation-checkpoint region).
+  explicit LlamaModel(const LlamaConfig& cfg, const LlamaStage& stage = {});
+  /// tokens (B, T) i64 (when the embedding is held) or hidden states (B, T, C), at `positions`
+  /// (T) or (B, T) i64 -> hidden states (B, T, C), normed when the final norm is held.
+  Tensor operator()(const Tensor& x, const Tensor& positions);
+  using Module::operator();
+  /// The computation of operator() without the hooks.
+  Tensor forward(const Tensor& x, const Tensor& positions);
+  /// forward(x, positions 0..T-1).
+  Tensor forward(const Tensor& x) override;
+  /// The rotary tables (cos, sin) at `positions`: (T, D/2) for (T), (B, 1, T, D/2) for (B, T).
+  std::pair<Tensor, Tensor> rope(const Tensor& positions);
+  /// Global indices of the decoder layers held, in order.
+  std::vector<int64_t> layer_indices() const;
+
+  std::shared_ptr<Embedding> embed_tokens;  // null when the stage holds no embedding
+  std::shared_ptr<ModuleDict> layers;       // LlamaDecoderLayer by global index "0".."L-1"
+  std::shared_ptr<RMSNorm> norm;            // null when the stage holds no head
+  /// The decoder blocks, in order (a second handle on `layers`' modules).
+  // removed when the trainer moves to parallelize_llama
   std::vector<std::shared_ptr<LlamaDecoderLayer>> blocks;
-  /// Applied to the embedding output (sequence parallelism lays the residual stream out here).
+  /// Applied to the embedding output.
+  // removed when the trainer moves to parallelize_llama
   std::function<Tensor(const Tensor&)> after_embedding;
-  /// Wraps each block's forward (activation checkpointing installs itself here).
+  /// Wraps each block's forward (the block sees set_rope's tables).
+  // removed when the trainer moves to parallelize_llama
   std::function<Tensor(LlamaDecoderLayer&, const Tensor&)> block_runner;
 
  private:
@@ -107,24 +149,37 @@ class LlamaModel : public Module {
 
 class LlamaForCausalLM : public Module {
  public:
-  explicit LlamaForCausalLM(const LlamaConfig& cfg);
-  /// tokens (B, T) -> logits (B, T, V).
-  Tensor forward(const Tensor& tokens) override;
+  /// The whole model, or the part `stage` names (throws naming the field when it is out of
+  /// range, or when tied embeddings would put the head on a stage without the embedding).
+  explicit LlamaForCausalLM(const LlamaConfig& cfg, const LlamaStage& stage = {});
+  /// tokens (B, T) i64 or hidden (B, T, C) at `positions` (T) or (B, T) i64 -> logits (B, T, V)
+  /// when the head is held, else hidden states (B, T, C); through the module's hooks.
+  Tensor operator()(const Tensor& x, const Tensor& positions);
+  using Module::operator();
+  /// The computation of operator() without the hooks.
+  Tensor forward(const Tensor& x, const Tensor& positions);
+  /// forward(x, positions 0..T-1).
+  Tensor forward(const Tensor& x) override;
   /// Mean next-token cross entropy of logits(inputs) against targets (B, T).
+  // removed when the trainer moves to parallelize_llama
   Tensor loss(const Tensor& inputs, const Tensor& targets);
   const LlamaConfig& config() const { return cfg_; }
-  /// The model's tensor-parallel plan (the layout of a parameter on the "tp" axis), as
-  /// torchtitan's Llama plan: q/k/v/gate/up colwise (Shard(0) of (out, in)), o/down rowwise
-  /// (Shard(1)), the embedding vocab-parallel (Shard(0)), lm_head colwise over the vocabulary
-  /// (loss-parallel logits), norms replicated.
+  /// The layers and ends this model holds (end_layer resolved).
+  const LlamaStage& stage() const { return stage_; }
+  bool has_embedding() const { return model->embed_tokens != nullptr; }
+  bool has_head() const { return model->norm != nullptr; }
+  /// The placement of a parameter on the "tp" axis (parallel/fsdp's plan; llama_tp_plan in
+  /// models/llama/parallelize.h is the styles-based plan).
+  // removed when the trainer moves to parallelize_llama
   static Placement tp_placement(const std::string& param_name);
-  /// FLOPs of one forward+backward per token (6N + attention), for MFU.
+  /// FLOPs of one forward+backward per token (6N + attention) of the parameters and layers held, for MFU.
   double flops_per_token(int64_t seq_len) const;
   std::shared_ptr<LlamaModel> model;
-  std::shared_ptr<Linear> lm_head;  // null when tied to the embedding
+  std::shared_ptr<Linear> lm_head;  // null when tied to the embedding or when the stage holds no head
 
  private:
   LlamaConfig cfg_;
+  LlamaStage stage_;
 };
 
 /// Loads HF-named weights (one model.safetensors, or a model.safetensors.index.json with its
