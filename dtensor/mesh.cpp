@@ -13,6 +13,7 @@ namespace detail {
 struct MeshState {
   std::shared_ptr<Communicator> comm;  // over exactly the mesh's ranks, in mesh order
   const Communicator* root = nullptr;  // the communicator of the outermost mesh (identity)
+  std::shared_ptr<Communicator> root_comm;  // that communicator
   Shape shape;
   std::vector<std::string> names;
   Shape coord;
@@ -90,6 +91,7 @@ DeviceMesh::DeviceMesh(std::shared_ptr<Communicator> comm, Shape shape, std::vec
   auto s = std::make_shared<MeshState>();
   s->comm = comm;
   s->root = comm.get();
+  s->root_comm = comm;
   s->shape = shape;
   s->names = std::move(axis_names);
   s->coord = unravel(comm->rank(), shape);
@@ -148,6 +150,7 @@ std::shared_ptr<Communicator> DeviceMesh::comm_ptr(int64_t axis) const {
   return state().axis_comms[size_t(wrap_dim(axis, ndim(), "device_mesh"))];
 }
 const std::vector<int>& DeviceMesh::ranks() const { return state().ranks; }
+std::shared_ptr<Communicator> DeviceMesh::root_comm() const { return state().root_comm; }
 
 DeviceMesh DeviceMesh::operator[](const std::string& name) const { return sub({name}); }
 DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const { return flatten(names); }
@@ -170,6 +173,7 @@ DeviceMesh DeviceMesh::sub(const std::vector<std::string>& names) const {
   }
   auto c = std::make_shared<MeshState>();
   c->root = s.root;
+  c->root_comm = s.root_comm;
   for (int64_t a : axes) {
     c->shape.push_back(s.shape[size_t(a)]);
     c->names.push_back(s.names[size_t(a)]);
@@ -211,6 +215,7 @@ DeviceMesh DeviceMesh::flatten(const std::vector<std::string>& names, const std:
   const MeshState& p = *part.state_;
   auto c = std::make_shared<MeshState>();
   c->root = s.root;
+  c->root_comm = s.root_comm;
   c->shape = {numel_of(p.shape)};
   c->names = {name};
   c->coord = {ravel(p.coord, p.shape)};

@@ -61,6 +61,8 @@ class DeviceMesh {
   std::shared_ptr<Communicator> comm_ptr(int64_t axis) const;
   /// Ranks (in the communicator the outermost mesh was built on) of every mesh position, row-major.
   const std::vector<int>& ranks() const;
+  /// The communicator of the outermost mesh this one was cut from (ranks() index it).
+  std::shared_ptr<Communicator> root_comm() const;
 
   /// The 1-D sub-mesh of axis `name` through this rank (no communication).
   DeviceMesh operator[](const std::string& name) const;

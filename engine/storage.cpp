@@ -127,7 +127,7 @@ Storage Storage::allocate(size_t nbytes, Device device) {
   return s;
 }
 
-void Storage::resize_(size_t nbytes) {
+void Storage::resize_(size_t nbytes) const {
   QUILT_CHECK(impl_ != nullptr, "[storage] resize_ of an undefined storage");
   const Device device = impl_->device;
   if (impl_->release) impl_->release();

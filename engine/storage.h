@@ -78,7 +78,7 @@ class Storage {
   /// undefined) in its place, seen by every tensor viewing this storage. FSDP frees gathered
   /// parameters after forward this way and refills them before backward, while the autograd
   /// graph keeps its views. Only for allocated (not borrowed) storage.
-  void resize_(size_t nbytes);
+  void resize_(size_t nbytes) const;
 
  private:
   struct Impl {

@@ -18,7 +18,7 @@
 #include "dtensor/checkpoint.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/grad_norm.h"
-#include "parallel/ddp.h"
+#include "parallel/replicate.h"
 #include "parallel/fsdp.h"
 #include "parallel/mixed_precision.h"
 #include "parallel/parallel_dims.h"

@@ -1,6 +1,6 @@
-// DDP: see ddp.h. Buckets follow the reverse of registration order, which is roughly the order
+// DDP: see replicate.h. Buckets follow the reverse of registration order, which is roughly the order
 // backward produces gradients, so the first bucket fills (and starts reducing) earliest.
-#include "parallel/ddp.h"
+#include "parallel/replicate.h"
 
 #include "engine/autograd.h"
 #include "engine/ops/creation.h"
@@ -90,6 +90,30 @@ void DistributedDataParallel::finish() {
     b.ready = 0;
     b.launched = false;
   }
+}
+
+namespace {
+DeviceMesh one_axis(const DeviceMesh& mesh) {
+  if (mesh.ndim() == 1) return mesh;
+  return mesh.flatten(mesh.axis_names());
+}
+}  // namespace
+
+ReplicateModule::ReplicateModule(Module& module, const DeviceMesh& mesh, DDPOptions opts)
+    : mesh_(one_axis(mesh)), ddp_(module, mesh_.comm_ptr(0), opts) {}
+
+void ReplicateModule::set_requires_gradient_sync(bool sync) {
+  sync_ = sync;
+  ddp_.set_sync(sync);
+}
+
+void ReplicateModule::finish_backward() {
+  if (sync_) ddp_.finish();
+}
+
+std::shared_ptr<ReplicateModule> replicate(Module& module, const DeviceMesh& mesh, DDPOptions opts) {
+  QUILT_CHECK(mesh.defined(), "[replicate] needs a mesh");
+  return std::make_shared<ReplicateModule>(module, mesh, opts);
 }
 
 }  // namespace quilt

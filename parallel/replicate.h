@@ -1,17 +1,19 @@
-// DDP: replicated parameters whose gradients are averaged over a data-parallel communicator
-// in buckets, each bucket's all-reduce started (asynchronously) from the post-accumulate-grad
-// hooks as soon as its last gradient is ready, so communication overlaps the rest of backward.
+// DDP as replicate(module, mesh): parameters replicated over the data-parallel mesh, gradients
+// averaged over it in buckets, each bucket's all-reduce started (asynchronously) from the
+// post-accumulate-grad hooks as soon as its last gradient is ready, so communication overlaps
+// the rest of backward. The same step seam as fully_shard (set_requires_gradient_sync,
+// finish_backward), so a trainer drives either one way.
 //
-//   DistributedDataParallel ddp(*model, comm, {.bucket_bytes = 1 << 20});
-//   for (micro ...) { ddp.set_sync(micro == last); model->loss(x, y).backward(); }
-//   ddp.finish();            // waits for the buckets; .grad now holds the dp-average
-//   optimizer.step();
+//   auto ddp = replicate(*model, meshes["dp"], {.bucket_bytes = 1 << 20});
+//   for (micro ...) { ddp->set_requires_gradient_sync(micro == last); loss(micro).backward(); ddp->finish_backward(); }
+//   optimizer.step();        // .grad holds the dp-average
 #pragma once
 
 #include <memory>
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "dtensor/mesh.h"
 #include "engine/nn/module.h"
 
 namespace quilt {
@@ -58,5 +60,25 @@ class DistributedDataParallel {
   bool sync_ = true;
   std::shared_ptr<bool> alive_;  // hooks outlive this object in the parameters; they check it
 };
+
+/// DDP on a data-parallel mesh (1-D, or several axes flattened into one).
+class ReplicateModule {
+ public:
+  ReplicateModule(Module& module, const DeviceMesh& mesh, DDPOptions opts);
+  /// Whether the next backward all-reduces gradients (false: they accumulate locally).
+  void set_requires_gradient_sync(bool sync);
+  /// After each backward: when syncing, waits for the buckets and writes the averages to .grad.
+  void finish_backward();
+  const DeviceMesh& mesh() const { return mesh_; }
+  DistributedDataParallel& ddp() { return ddp_; }
+
+ private:
+  DeviceMesh mesh_;
+  DistributedDataParallel ddp_;
+  bool sync_ = true;
+};
+
+/// Replicates `module` over `mesh` (every axis of it: a 2-D mesh is flattened). Collective.
+std::shared_ptr<ReplicateModule> replicate(Module& module, const DeviceMesh& mesh, DDPOptions opts = {});
 
 }  // namespace quilt

@@ -1,0 +1,409 @@
+// fully_shard on the threads backend: collective counts and order per unit, prefetch that lets
+// compute proceed under a slow gather, reduce and param dtypes, fp32 islands as their own units,
+// uneven shards, HSDP and reshard-to-groups — each against a one-rank reference.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cmath>
+#include <mutex>
+
+#include "collectives/communicator.h"
+#include "collectives/observer.h"
+#include "dtensor/dtensor.h"
+#include "engine/engine.h"
+#include "parallel/fully_shard.h"
+
+using namespace quilt;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A residual block with a norm (the fp32 island candidate) and a width of its own, so each
+// unit's gather has a size of its own.
+class Block : public Module {
+ public:
+  Block(int64_t d, int64_t h) : Module("Block") {
+    norm = register_module("norm", std::make_shared<RMSNorm>(d));
+    fc1 = register_module("fc1", std::make_shared<Linear>(d, h, false));
+    fc2 = register_module("fc2", std::make_shared<Linear>(h, d, false));
+  }
+  Tensor forward(const Tensor& x) override { return x + (*fc2)(tanh((*fc1)((*norm)(x)))); }
+  std::shared_ptr<RMSNorm> norm;
+  std::shared_ptr<Linear> fc1, fc2;
+};
+
+class Net : public Module {
+ public:
+  Net(int64_t d, int64_t layers) : Module("Net") {
+    blocks = register_module("blocks", std::make_shared<ModuleList>());
+    for (int64_t i = 0; i < layers; ++i) blocks->push_back(std::make_shared<Block>(d, 5 + i));
+    head = register_module("head", std::make_shared<Linear>(d, 3, true));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = x;
+    for (auto& [name, b] : blocks->named_children()) h = (*b)(h);
+    return (*head)(h);
+  }
+  Block& block(size_t i) { return static_cast<Block&>(*blocks->named_children()[i].second); }
+  std::shared_ptr<ModuleList> blocks;
+  std::shared_ptr<Linear> head;
+};
+
+constexpr int64_t kDim = 7;  // not divisible by 2, 3 or 4
+
+Tensor batch_of(int rank, int64_t rows = 4) { return randn({rows, kDim}, RngKey(99, uint64_t(rank))); }
+Tensor loss_of(const Tensor& y) { return (y * y).mean(); }
+
+std::shared_ptr<Net> make_net(int64_t layers = 3) {
+  auto net = std::make_shared<Net>(kDim, layers);
+  net->init_weights(5);
+  return net;
+}
+
+std::shared_ptr<FSDPModule> shard_net(Net& net, const DeviceMesh& mesh, const FSDPPolicy& policy = {}) {
+  for (auto& [name, b] : net.blocks->named_children()) fully_shard(*b, mesh, policy);
+  return fully_shard(net, mesh, policy);
+}
+
+// The reference: one model on the concatenation of every rank's batch (the mean over equal
+// per-rank batches is the mean of the per-rank means, which FSDP's averaged gradients give).
+std::map<std::string, Tensor> reference_grads(int world, int64_t layers = 3) {
+  auto net = make_net(layers);
+  std::vector<Tensor> xs;
+  for (int r = 0; r < world; ++r) xs.push_back(batch_of(r));
+  loss_of((*net)(cat(xs, 0))).backward();
+  std::map<std::string, Tensor> g;
+  for (auto& [name, p] : net->named_parameters()) g[name] = p.grad();
+  return g;
+}
+
+void check_grads_match(Net& net, const std::map<std::string, Tensor>& ref, double tol) {
+  for (auto& [name, p] : net.named_parameters()) {
+    REQUIRE_MESSAGE(p.grad().defined(), name);
+    CHECK_MESSAGE(p.grad().is_distributed(), name);
+    const Tensor full = full_tensor(p.grad());
+    const auto a = full.to_vector(), b = ref.at(name).to_vector();
+    REQUIRE(a.size() == b.size());
+    double err = 0;
+    for (size_t i = 0; i < a.size(); ++i) err = std::max(err, std::fabs(a[i] - b[i]));
+    CHECK_MESSAGE(err <= tol, name, " differs by ", err);
+  }
+}
+
+// Every collective this rank issues, in order.
+struct Recorder {
+  std::vector<CollectiveRecord> ops;
+  std::mutex mu;
+  size_t count(const std::string& op) {
+    size_t n = 0;
+    for (auto& r : ops) n += r.op == op;
+    return n;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("fully_shard: one all-gather per unit in forward and in backward, one reduce-scatter per unit") {
+  for (bool reshard : {true, false}) {
+    run_threads_group(2, [&](Communicator& c) {
+      DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+      auto net = make_net();
+      FSDPPolicy policy;
+      policy.reshard_after_forward = reshard;
+      auto root = shard_net(*net, mesh, policy);
+      REQUIRE(root->num_units() == 4);
+      Recorder rec;
+      {
+        ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+          rec.ops.push_back(r);
+          return kNoDelay;
+        });
+        loss_of((*net)(batch_of(c.rank()))).backward();
+        root->finish_backward();
+      }
+      // Blocks gather in forward and again in backward when resharding; the root keeps its
+      // parameters from forward to backward.
+      const size_t gathers = reshard ? 3 * 2 + 1 : 4;
+      CHECK(rec.count("all_gather") == gathers);
+      CHECK(rec.count("reduce_scatter") == 4);
+      CHECK(rec.ops.size() == gathers + 4);  // nothing else
+      for (const FSDPUnitStats& s : root->stats()) CHECK(s.reduce_scatters == 1);
+      // A second step costs the same.
+      rec.ops.clear();
+      {
+        ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+          rec.ops.push_back(r);
+          return kNoDelay;
+        });
+        loss_of((*net)(batch_of(c.rank()))).backward();
+        root->finish_backward();
+      }
+      CHECK(rec.count("all_gather") == gathers);
+      CHECK(rec.count("reduce_scatter") == 4);
+    });
+  }
+}
+
+TEST_CASE("fully_shard: unit i+1's all-gather is issued before unit i's first op, in forward and backward") {
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    auto net = make_net();
+    auto root = shard_net(*net, mesh);
+    // One log of collectives and block ops, in the order they happen on this rank.
+    std::vector<std::string> log;
+    for (size_t i = 0; i < 3; ++i) {
+      net->block(i).fc1->register_forward_pre_hook(
+          [&log, i](Module&, std::vector<Tensor>&) { log.push_back("fwd" + std::to_string(i)); });
+    }
+    Tensor loss;
+    {
+      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+        log.push_back(r.op + "#" + std::to_string(r.seq));
+        return kNoDelay;
+      });
+      loss = loss_of((*net)(batch_of(c.rank())));
+      // Backward: mark when each block's backward starts (the gradient reaching its output).
+      loss.backward();
+      root->finish_backward();
+    }
+    auto pos = [&](const std::string& s) {
+      auto it = std::find(log.begin(), log.end(), s);
+      REQUIRE_MESSAGE(it != log.end(), s);
+      return it - log.begin();
+    };
+    const auto stats = root->stats();  // root, block0, block1, block2
+    REQUIRE(stats.size() == 4);
+    for (size_t i = 0; i + 1 < 3; ++i) {
+      const std::string next_fwd = "all_gather#" + std::to_string(stats[i + 2].all_gather_seqs.at(0));
+      CHECK_MESSAGE(pos(next_fwd) < pos("fwd" + std::to_string(i)), "block ", i + 1, "'s gather after block ", i, "'s first op");
+    }
+    // Backward: block i-1's gather is issued before block i's gradients are reduced.
+    for (size_t i = 2; i >= 1; --i) {
+      const std::string prev_bwd = "all_gather#" + std::to_string(stats[i].all_gather_seqs.at(1));
+      int64_t rs = -1, seen = 0;
+      for (size_t k = 0; k < log.size(); ++k)
+        if (log[k].rfind("reduce_scatter", 0) == 0 && seen++ == int64_t(3 - i)) rs = int64_t(k);
+      REQUIRE(rs >= 0);
+      CHECK_MESSAGE(pos(prev_bwd) < rs, "block ", i - 1, "'s backward gather after block ", i, "'s reduce-scatter");
+    }
+  });
+}
+
+TEST_CASE("fully_shard: with the next unit's gather held back, the current unit computes meanwhile") {
+  const auto delay = std::chrono::milliseconds(600);
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    auto net = make_net();
+    auto root = shard_net(*net, mesh);
+    // Gathers in forward: root (1), block0 (2, prefetched by the root), block1 (3, prefetched by
+    // block0 before it computes). Hold the third back.
+    Clock::time_point issued{}, block0_done{}, block1_start{};
+    int gathers = 0;
+    net->block(0).register_forward_hook(
+        [&](Module&, const std::vector<Tensor>&, std::vector<Tensor>&) { block0_done = Clock::now(); });
+    net->block(1).fc1->register_forward_pre_hook([&](Module&, std::vector<Tensor>&) { block1_start = Clock::now(); });
+    {
+      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+        if (r.op != "all_gather" || ++gathers != 3) return kNoDelay;
+        CHECK(r.async);
+        issued = Clock::now();
+        return delay;
+      });
+      NoGradGuard ng;
+      (*net)(batch_of(c.rank()));
+    }
+    REQUIRE(gathers >= 3);
+    const double computed_after = std::chrono::duration<double>(block0_done - issued).count();
+    const double waited_until = std::chrono::duration<double>(block1_start - issued).count();
+    MESSAGE("block 0 finished ", computed_after * 1e3, " ms after block 1's gather was issued; block 1 started after ",
+            waited_until * 1e3, " ms");
+    CHECK(computed_after < 0.5 * std::chrono::duration<double>(delay).count());  // not held up by the gather
+    CHECK(waited_until >= 0.9 * std::chrono::duration<double>(delay).count());   // block 1 waited for it
+    CHECK(root->stats()[2].wait_seconds > 0.3);
+  });
+}
+
+TEST_CASE("fully_shard: uneven shards over 3 ranks give the one-rank gradients") {
+  const auto ref = reference_grads(3);
+  run_threads_group(3, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {3}, {"dp_shard"});
+    auto net = make_net();
+    auto root = shard_net(*net, mesh);
+    // fc1 of block 0 is (5, 7): rows 2, 2, 1 over 3 ranks; the norm weight (7): 3, 3, 1.
+    const Tensor& w = net->block(0).fc1->weight();
+    REQUIRE(w.is_distributed());
+    CHECK(w.local().size(0) == (c.rank() < 2 ? 2 : 1));
+    CHECK(net->block(0).norm->weight().local().size(0) == (c.rank() < 2 ? 3 : 1));
+    loss_of((*net)(batch_of(c.rank()))).backward();
+    root->finish_backward();
+    check_grads_match(*net, ref, 1e-5);
+    // Parameters are views of one flat buffer per unit: consecutive in memory.
+    const Tensor& w1 = net->block(0).fc1->weight(), &w2 = net->block(0).fc2->weight();
+    CHECK(w1.local().storage().id() == w2.local().storage().id());
+  });
+}
+
+TEST_CASE("fully_shard: deferred sync accumulates micro-batches and reduces once") {
+  auto net_ref = make_net();
+  for (int r = 0; r < 2; ++r)
+    for (int m = 0; m < 2; ++m) (loss_of((*net_ref)(batch_of(10 * m + r))) * 0.5).backward();
+  std::map<std::string, Tensor> ref;
+  for (auto& [name, p] : net_ref->named_parameters()) ref[name] = p.grad() * 0.5;  // mean over 2 ranks
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    auto net = make_net();
+    auto root = shard_net(*net, mesh);
+    Recorder rec;
+    ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+      rec.ops.push_back(r);
+      return kNoDelay;
+    });
+    for (int m = 0; m < 2; ++m) {
+      root->set_requires_gradient_sync(m == 1);
+      (loss_of((*net)(batch_of(10 * m + c.rank()))) * 0.5).backward();
+      root->finish_backward();
+      CHECK(rec.count("reduce_scatter") == (m == 0 ? 0 : 4));
+    }
+    check_grads_match(*net, ref, 1e-5);
+  });
+}
+
+TEST_CASE("fully_shard: reduce_dtype bf16 reduce-scatters in bf16; param_dtype bf16 gathers in bf16") {
+  const auto ref = reference_grads(2);
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    auto net = make_net();
+    FSDPPolicy policy;
+    policy.reduce_dtype = DType::bf16;
+    auto root = shard_net(*net, mesh, policy);
+    Recorder rec;
+    {
+      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+        rec.ops.push_back(r);
+        return kNoDelay;
+      });
+      loss_of((*net)(batch_of(c.rank()))).backward();
+      root->finish_backward();
+    }
+    for (auto& r : rec.ops) {
+      if (r.op == "reduce_scatter") CHECK(r.dtype == DType::bf16);
+      if (r.op == "all_gather") CHECK(r.dtype == DType::f32);
+    }
+    // bf16 keeps 8 bits of mantissa: gradients agree to its rounding.
+    check_grads_match(*net, ref, 2e-2);
+    for (auto& [name, p] : net->named_parameters()) CHECK(p.grad().dtype() == DType::f32);
+  });
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    auto net = make_net();
+    FSDPPolicy policy;
+    policy.param_dtype = DType::bf16;
+    auto root = shard_net(*net, mesh, policy);
+    Recorder rec;
+    {
+      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+        rec.ops.push_back(r);
+        return kNoDelay;
+      });
+      loss_of(cast((*net)(batch_of(c.rank())), DType::f32)).backward();
+      root->finish_backward();
+    }
+    for (auto& r : rec.ops)
+      if (r.op == "all_gather" || r.op == "reduce_scatter") CHECK(r.dtype == DType::bf16);
+    for (auto& [name, p] : net->named_parameters()) CHECK(p.dtype() == DType::f32);  // masters stay f32
+  });
+}
+
+TEST_CASE("fully_shard: an fp32 island is its own unit in f32 while its block gathers bf16") {
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    auto net = make_net();
+    FSDPPolicy policy;
+    policy.param_dtype = DType::bf16;
+    policy.fp32_modules = {"norm"};
+    auto root = shard_net(*net, mesh, policy);
+    CHECK(root->num_units() == 7);  // root, 3 blocks, 3 norms
+    DType norm_w{}, norm_in{}, fc1_w{}, block_out{};
+    net->block(0).norm->register_forward_pre_hook([&](Module& m, std::vector<Tensor>& in) {
+      norm_w = m.parameter("weight").dtype();
+      norm_in = in[0].dtype();
+    });
+    net->block(0).fc1->register_forward_pre_hook(
+        [&](Module& m, std::vector<Tensor>&) { fc1_w = m.parameter("weight").dtype(); });
+    net->block(0).register_forward_hook(
+        [&](Module&, const std::vector<Tensor>&, std::vector<Tensor>& out) { block_out = out[0].dtype(); });
+    Recorder rec;
+    {
+      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+        rec.ops.push_back(r);
+        return kNoDelay;
+      });
+      loss_of(cast((*net)(batch_of(c.rank())), DType::f32)).backward();
+      root->finish_backward();
+    }
+    CHECK(norm_w == DType::f32);
+    CHECK(norm_in == DType::f32);
+    CHECK(fc1_w == DType::bf16);
+    CHECK(block_out == DType::bf16);
+    // Gathers of the island units (7 floats: 4 per rank padded) in f32, the blocks' in bf16.
+    size_t f32_gathers = 0, bf16_gathers = 0;
+    for (auto& r : rec.ops)
+      if (r.op == "all_gather") (r.dtype == DType::f32 ? f32_gathers : bf16_gathers) += 1;
+    CHECK(f32_gathers == 6);   // 3 islands, forward and backward
+    CHECK(bf16_gathers == 7);  // 3 blocks twice, the root once
+    for (auto& r : rec.ops)
+      if (r.op == "all_gather" && r.dtype == DType::f32) CHECK(r.shape == Shape{4});
+  });
+}
+
+TEST_CASE("fully_shard: HSDP 2x2 and reshard to groups of 2 give the one-rank gradients") {
+  const auto ref = reference_grads(4);
+  run_threads_group(4, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2, 2}, {"dp_replicate", "dp_shard"});
+    auto net = make_net();
+    auto root = shard_net(*net, mesh);
+    loss_of((*net)(batch_of(c.rank()))).backward();
+    root->finish_backward();
+    check_grads_match(*net, ref, 1e-5);
+  });
+  run_threads_group(4, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {4}, {"dp_shard"});
+    auto net = make_net();
+    FSDPPolicy policy;
+    policy.reshard_after_forward = int64_t(2);
+    auto root = shard_net(*net, mesh, policy);
+    Recorder rec;
+    {
+      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+        rec.ops.push_back(r);
+        return kNoDelay;
+      });
+      loss_of((*net)(batch_of(c.rank()))).backward();
+      root->finish_backward();
+    }
+    // Forward gathers over all 4 ranks; the blocks' backward gathers within groups of 2.
+    size_t group_gathers = 0;
+    for (auto& r : rec.ops)
+      if (r.op == "all_gather" && r.comm_size == 2) ++group_gathers;
+    CHECK(group_gathers == 3);
+    check_grads_match(*net, ref, 1e-5);
+  });
+}
+
+TEST_CASE("fully_shard: bad reshard sizes and meshes are refused by name") {
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    auto net = make_net();
+    FSDPPolicy policy;
+    policy.reshard_after_forward = int64_t(3);
+    CHECK_THROWS_WITH(fully_shard(*net->blocks->named_children()[0].second, mesh, policy),
+                      doctest::Contains("reshard_after_forward=3 must divide the shard axis size 2"));
+    auto b = net->blocks->named_children()[1].second;
+    fully_shard(*b, mesh);
+    CHECK_THROWS_WITH(fully_shard(*b, mesh), doctest::Contains("already an FSDP unit"));
+    FSDPPolicy ig;
+    ig.ignored_params = {"nope.weight"};
+    CHECK_THROWS_WITH(fully_shard(*net, mesh, ig), doctest::Contains("ignored parameter 'nope.weight'"));
+  });
+}
