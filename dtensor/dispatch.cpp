@@ -1,6 +1,7 @@
 // The distributed dispatcher: rule lookup by op name, n-D expansion of single-axis rows, the
 // cheapest choice (cached per call signature), input redistribution, local compute, output
-// wrapping, and the replicated fallback with its one-time warning.
+// wrapping, the replicated fallback with its one-time warning, and the registry of distributed
+// handlers that come before the rule table.
 #include "dtensor/dispatch.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <sstream>
 
 #include "dtensor/dtensor.h"
+#include "dtensor/loss_parallel.h"
 #include "dtensor/redistribute.h"
 #include "dtensor/rules/rules.h"
 #include "dtensor/sharding.h"
@@ -129,11 +131,23 @@ Choice choose(const Strategy& st, const std::vector<Placements>& cur, const std:
     }
   };
 
+  // The last tie-break: fewer sharded outputs. A tie between a sharded and a replicated output
+  // arises where a row shards the output of unchanged (replicated) inputs for free, as expand of
+  // a broadcast dim does; a later consumer can slice a Replicate output locally, but gathering a
+  // Shard one costs a collective (the gradient of a loss summed over replicated rows, which loss
+  // parallel needs whole on every rank of the class axis, is such an expand).
+  auto shards_of = [](const Choice& c) {
+    int n = 0;
+    for (const auto& p : c.out)
+      for (const Placement& a : p) n += a.is_shard();
+    return n;
+  };
+
   double combos = 1;
   for (size_t a = 0; a < n_axes; ++a) combos *= double(rows.size());
   std::optional<Choice> best;
   double best_cost = 0;
-  int best_changes = 0;
+  int best_changes = 0, best_shards = 0;
   if (combos <= 20000) {
     std::vector<size_t> idx(n_axes, 0);
     while (true) {
@@ -144,10 +158,14 @@ Choice choose(const Strategy& st, const std::vector<Placements>& cur, const std:
         double cost;
         int changes;
         cost_of(c, cost, changes);
-        if (!best || cost < best_cost - 1e-9 || (cost <= best_cost + 1e-9 && changes < best_changes)) {
+        const int shards = shards_of(c);
+        const bool tie = cost <= best_cost + 1e-9;
+        if (!best || cost < best_cost - 1e-9 || (tie && changes < best_changes) ||
+            (tie && changes == best_changes && shards < best_shards)) {
           best = std::move(c);
           best_cost = cost;
           best_changes = changes;
+          best_shards = shards;
         }
       }
       size_t a = n_axes;
@@ -251,16 +269,32 @@ std::shared_ptr<const Decision> decide(const OpInfo& info, const std::vector<Pla
   return cache.map.emplace(key, d).first->second;
 }
 
+// ---- distributed handlers ----
+
+struct Handlers {
+  std::mutex mu;
+  std::map<std::string, detail::DistHandler> map = {
+      {"cross_entropy", detail::loss_parallel_cross_entropy},
+      {"cross_entropy_backward", detail::loss_parallel_cross_entropy_backward},
+  };
+};
+Handlers& handlers() {
+  static Handlers h;
+  return h;
+}
+
+std::optional<detail::DistHandler> handler_for(const std::string& op) {
+  Handlers& h = handlers();
+  std::lock_guard<std::mutex> lock(h.mu);
+  auto it = h.map.find(op);
+  if (it == h.map.end()) return std::nullopt;
+  return it->second;
+}
+
 // ---- running an op ----
 
 Tensor local_for(const Tensor& t, const Placements& cur, const Placements& target, const DeviceMesh& mesh) {
-  if (!t.defined()) return t;
-  if (t.is_distributed()) {
-    if (cur == target) return t.local();
-    return redistribute_local(t.local(), *t.dist_spec(), target);
-  }
-  if (std::all_of(target.begin(), target.end(), [](const Placement& p) { return p.is_replicate(); })) return t;
-  return redistribute_local(t, DistSpec(mesh, cur, t.shape()), target);
+  return detail::local_shard_for(t, cur, target, mesh);
 }
 
 std::vector<Tensor> wrap_outputs(const std::string& op, const std::vector<Tensor>& locals, const DeviceMesh& mesh,
@@ -312,6 +346,8 @@ std::vector<Tensor> dispatch(Primitive& p, const std::vector<Tensor>& inputs) {
   }
   QUILT_CHECK(mesh != nullptr, "[", p.name(), "] the distributed dispatcher got no distributed input");
   const size_t n_axes = size_t(mesh->ndim());
+  if (std::optional<detail::DistHandler> h = handler_for(p.name()))
+    if (std::optional<std::vector<Tensor>> outs = (*h)(p, inputs)) return std::move(*outs);
 
   OpInfo info;
   info.name = p.name();
@@ -400,6 +436,22 @@ void set_dtensor_fallback_warnings_printed(bool on) {
 }
 
 namespace detail {
+
+void register_dist_handler(const std::string& name, DistHandler handler) {
+  Handlers& h = handlers();
+  std::lock_guard<std::mutex> lock(h.mu);
+  h.map[name] = std::move(handler);
+}
+
+Tensor local_shard_for(const Tensor& t, const Placements& cur, const Placements& target, const DeviceMesh& mesh) {
+  if (!t.defined()) return t;
+  if (t.is_distributed()) {
+    if (cur == target) return t.local();
+    return redistribute_local(t.local(), *t.dist_spec(), target);
+  }
+  if (std::all_of(target.begin(), target.end(), [](const Placement& p) { return p.is_replicate(); })) return t;
+  return redistribute_local(t, DistSpec(mesh, cur, t.shape()), target);
+}
 
 void ensure_dtensor_dispatch() {
   static std::once_flag once;

@@ -2,7 +2,9 @@
 // every op with a distributed input comes here. It looks up the op's sharding rule by name,
 // picks the cheapest n-D strategy (no redistribution preferred), redistributes the inputs,
 // runs the op on the local shards and wraps the outputs. An op without a rule runs on
-// replicated inputs and a warning naming the op and its placements is printed once.
+// replicated inputs and a warning naming the op and its placements is printed once. Before the
+// rule table it asks the op's distributed handler, if one is registered (loss parallel
+// cross entropy, dtensor/loss_parallel.h), which may compute the op its own way.
 //
 // Installed on first use of dtensor/ (building a DeviceMesh); nothing to call by hand.
 //
@@ -10,6 +12,8 @@
 //   dtensor_fallback_warnings();                 // {"cumsum (S(0))", ...}: ops that ran replicated
 #pragma once
 
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +40,20 @@ class DistPrimitive : public Primitive {
   virtual std::vector<Tensor> dist_forward(const std::vector<Tensor>& inputs) = 0;
   std::vector<Tensor> forward(const std::vector<Tensor>& inputs) override { return dist_forward(inputs); }
 };
+
+/// A distributed handler: computes op `p` on `inputs` (at least one distributed, all on one mesh)
+/// its own way, or returns nullopt when their layouts are not its case (the rule table decides
+/// then). Autograd still records `p`, so `p`'s backward op dispatches again and a handler for
+/// that op's name keeps the backward on the same path.
+using DistHandler =
+    std::function<std::optional<std::vector<Tensor>>(Primitive& p, const std::vector<Tensor>& inputs)>;
+/// Registers `handler` for op `name` (replacing an earlier one); the dispatcher consults it
+/// before the rule table. The built-in handlers (loss parallel) are registered on first use.
+void register_dist_handler(const std::string& name, DistHandler handler);
+
+/// This rank's shard of `t` in layout `target` over `mesh`, where `cur` is t's layout (Replicate
+/// everywhere for a plain t): t's own shard when they agree, else redistributed (no autograd).
+Tensor local_shard_for(const Tensor& t, const Placements& cur, const Placements& target, const DeviceMesh& mesh);
 
 /// Makes sure the gradient reaching leaf `leaf` has the leaf's own layout before it is
 /// accumulated into .grad: a distributed leaf's is redistributed to its placements (so
