@@ -2,6 +2,8 @@
 #include "parallel/parallel_dims.h"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 
 #include "engine/error.h"
 

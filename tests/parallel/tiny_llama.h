@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -36,14 +37,16 @@ struct StepResult {
   bool logits_distributed = false;
 };
 
-/// Forward at positions 0..T-1, mean cross entropy against `targets`, backward; logits and
-/// gradients gathered whole.
-inline StepResult llama_step(LlamaForCausalLM& model, const Tensor& tokens, const Tensor& targets) {
+/// Forward at positions 0..T-1, mean cross entropy against `targets`, backward (then
+/// `after_backward`, e.g. waiting for data-parallel reductions); logits and gradients gathered whole.
+inline StepResult llama_step(LlamaForCausalLM& model, const Tensor& tokens, const Tensor& targets,
+                             const std::function<void()>& after_backward = {}) {
   StepResult r;
   Tensor logits = model(tokens, arange(0, double(tokens.size(1))));
   r.logits_distributed = logits.is_distributed();
   Tensor loss = cross_entropy(logits.reshape({-1, model.config().vocab_size}), targets.reshape({-1}));
   loss.backward();
+  if (after_backward) after_backward();
   r.logits = full_tensor(logits).to_vector();
   r.loss = full_tensor(loss).item<double>();
   for (auto& [name, p] : model.named_parameters())
