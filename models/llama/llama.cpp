@@ -183,11 +183,6 @@ Tensor LlamaDecoderLayer::forward_block(const Tensor& x, const Tensor& cos, cons
   return h + (*mlp)((*post_attention_layernorm)(h));
 }
 
-Tensor LlamaDecoderLayer::forward(const Tensor& x) {
-  QUILT_CHECK(cos_.defined(), "[LlamaDecoderLayer] no rotary tables: call it as layer(x, cos, sin)");
-  return forward_block(x, cos_, sin_);
-}
-
 namespace {
 
 // The stage with end_layer resolved; throws naming the field that is out of range.
@@ -212,7 +207,7 @@ LlamaModel::LlamaModel(const LlamaConfig& cfg, const LlamaStage& stage) : Module
   }
   layers = register_module("layers", std::make_shared<ModuleDict>());
   for (int64_t i = st.first_layer; i < st.end_layer; ++i)
-    blocks.push_back(layers->insert(std::to_string(i), std::make_shared<LlamaDecoderLayer>(cfg)));
+    layers->insert(std::to_string(i), std::make_shared<LlamaDecoderLayer>(cfg));
   if (st.head) norm = register_module("norm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
   auto [c, s] = rope_tables(cfg, cfg.max_position_embeddings);
   register_buffer("rope_cos", c, /*persistent=*/false);
@@ -252,21 +247,12 @@ Tensor LlamaModel::forward(const Tensor& x, const Tensor& positions) {
     QUILT_CHECK(x.dim() == 2 && !is_floating(x.dtype()), "[LlamaModel] tokens must be (batch, seq) integers, got shape ",
                 x.shape(), " ", dtype_name(x.dtype()));
     h = (*embed_tokens)(x);
-    if (after_embedding) h = after_embedding(h);
   } else {
     QUILT_CHECK(x.dim() == 3 && is_floating(x.dtype()), "[LlamaModel] this stage holds no embedding: it takes hidden "
                 "states (batch, seq, ", cfg_.hidden_size, "), got shape ", x.shape(), " ", dtype_name(x.dtype()));
   }
   auto [c, s] = rope(positions);
-  for (const auto& [key, m] : *layers) {
-    auto& blk = static_cast<LlamaDecoderLayer&>(*m);
-    if (block_runner) {
-      blk.set_rope(c, s);
-      h = block_runner(blk, h);
-    } else {
-      h = blk(h, c, s);
-    }
-  }
+  for (const auto& [key, m] : *layers) h = static_cast<LlamaDecoderLayer&>(*m)(h, c, s);
   return norm ? (*norm)(h) : h;
 }
 
@@ -304,25 +290,6 @@ Tensor LlamaForCausalLM::forward(const Tensor& x) {
   QUILT_CHECK(x.size(1) <= cfg_.max_position_embeddings, "[LlamaForCausalLM] sequence length ", x.size(1),
               " exceeds max_position_embeddings=", cfg_.max_position_embeddings);
   return forward(x, arange(0, double(x.size(1))));
-}
-
-Tensor LlamaForCausalLM::loss(const Tensor& inputs, const Tensor& targets) {
-  Tensor logits = forward(inputs);
-  if (logits.dtype() != DType::f32 && logits.dtype() != DType::f64) logits = logits.to(DType::f32);  // loss in f32
-  return cross_entropy(logits.reshape({-1, cfg_.vocab_size}), targets.reshape({-1}));
-}
-
-Placement LlamaForCausalLM::tp_placement(const std::string& name) {
-  auto ends_with = [&](const char* suffix) {
-    const std::string s(suffix);
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  for (const char* col : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
-                          "lm_head.weight", "embed_tokens.weight"})
-    if (ends_with(col)) return Shard(0);
-  for (const char* row : {"o_proj.weight", "down_proj.weight"})
-    if (ends_with(row)) return Shard(1);
-  return Replicate();
 }
 
 void load_hf_weights(Module& model, const std::string& path) {

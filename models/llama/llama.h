@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "engine/nn/layers.h"
-#include "dtensor/placement.h"
 #include "engine/nn/module.h"
 
 namespace quilt {
@@ -101,17 +100,9 @@ class LlamaDecoderLayer : public Module {
   using Module::operator();
   /// The computation of operator() without the hooks.
   Tensor forward_block(const Tensor& x, const Tensor& cos, const Tensor& sin);
-  /// One block with the tables of set_rope() (the trainer's block_runner path).
-  // removed when the trainer moves to parallelize_llama
-  Tensor forward(const Tensor& x) override;
-  // removed when the trainer moves to parallelize_llama
-  void set_rope(Tensor cos, Tensor sin) { cos_ = std::move(cos); sin_ = std::move(sin); }
   std::shared_ptr<LlamaAttention> self_attn;
   std::shared_ptr<LlamaMLP> mlp;
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
-
- private:
-  Tensor cos_, sin_;  // removed when the trainer moves to parallelize_llama
 };
 
 class LlamaModel : public Module {
@@ -133,15 +124,6 @@ class LlamaModel : public Module {
   std::shared_ptr<Embedding> embed_tokens;  // null when the stage holds no embedding
   std::shared_ptr<ModuleDict> layers;       // LlamaDecoderLayer by global index "0".."L-1"
   std::shared_ptr<RMSNorm> norm;            // null when the stage holds no head
-  /// The decoder blocks, in order (a second handle on `layers`' modules).
-  // removed when the trainer moves to parallelize_llama
-  std::vector<std::shared_ptr<LlamaDecoderLayer>> blocks;
-  /// Applied to the embedding output.
-  // removed when the trainer moves to parallelize_llama
-  std::function<Tensor(const Tensor&)> after_embedding;
-  /// Wraps each block's forward (the block sees set_rope's tables).
-  // removed when the trainer moves to parallelize_llama
-  std::function<Tensor(LlamaDecoderLayer&, const Tensor&)> block_runner;
 
  private:
   LlamaConfig cfg_;
@@ -160,18 +142,11 @@ class LlamaForCausalLM : public Module {
   Tensor forward(const Tensor& x, const Tensor& positions);
   /// forward(x, positions 0..T-1).
   Tensor forward(const Tensor& x) override;
-  /// Mean next-token cross entropy of logits(inputs) against targets (B, T).
-  // removed when the trainer moves to parallelize_llama
-  Tensor loss(const Tensor& inputs, const Tensor& targets);
   const LlamaConfig& config() const { return cfg_; }
   /// The layers and ends this model holds (end_layer resolved).
   const LlamaStage& stage() const { return stage_; }
   bool has_embedding() const { return model->embed_tokens != nullptr; }
   bool has_head() const { return model->norm != nullptr; }
-  /// The placement of a parameter on the "tp" axis (parallel/fsdp's plan; llama_tp_plan in
-  /// models/llama/parallelize.h is the styles-based plan).
-  // removed when the trainer moves to parallelize_llama
-  static Placement tp_placement(const std::string& param_name);
   /// FLOPs of one forward+backward per token (6N + attention) of the parameters and layers held, for MFU.
   double flops_per_token(int64_t seq_len) const;
   std::shared_ptr<LlamaModel> model;
