@@ -27,9 +27,12 @@ examples: install
 	cmake -S examples -B $(BUILD)/examples -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=$(PREFIX)
 	cmake --build $(BUILD)/examples -j $(JOBS)
 
+# The installed `quilt` must run on its own (RPATH to its lib/), without LD_LIBRARY_PATH.
 test: build examples
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
 	$(BUILD)/examples/tiny_regression
+	@env -u LD_LIBRARY_PATH $(PREFIX)/bin/quilt --help > /dev/null || \
+	  { echo "installed $(PREFIX)/bin/quilt does not run (missing RPATH to libquilt?)"; exit 1; }
 
 demo: build
 	@bash tools/demo.sh $(BUILD)

@@ -9,8 +9,11 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
+#include <type_traits>
 
+#include "collectives/launch.h"
 #include "engine/error.h"
 #include "tools/tokenizer.h"
 
@@ -23,12 +26,8 @@ const char* data_format_name(DataFormat f) { return f == DataFormat::kLlmc ? "ll
 const char* decay_name(Decay d) { return d == Decay::kCosine ? "cosine" : "linear"; }
 
 const char* backend_name(Backend b) {
-  switch (b) {
-    case Backend::kMpi: return "mpi";
-    case Backend::kNccl: return "nccl";
-    case Backend::kThreads: return "threads";
-  }
-  return "?";
+  static const char* const kNames[] = {"mpi", "nccl", "threads"};
+  return kNames[static_cast<int>(b)];
 }
 
 std::optional<DType> parse_float_dtype(const std::string& s) {
@@ -103,17 +102,15 @@ std::string describe(const YAML::Node& n) {
   }
 }
 
+bool is_none_word(const std::string& s) {
+  return s.empty() || s == "none" || s == "None" || s == "null" || s == "Null" || s == "NULL" || s == "~";
+}
+
 // An unquoted none / null / ~ / empty value.
 bool is_none(const YAML::Node& n) {
   if (n.IsNull()) return true;
   if (!n.IsScalar() || n.Tag() == "!") return false;  // quoted "none" is the string none
-  const std::string& s = n.Scalar();
-  return s == "none" || s == "None" || s == "null" || s == "Null" || s == "NULL" || s == "~";
-}
-
-std::string lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  return s;
+  return !n.Scalar().empty() && is_none_word(n.Scalar());
 }
 
 // Shortest text that reads back as the same double.
@@ -125,7 +122,7 @@ std::string format_double(double v) {
 
 // ---- one YAML map, read key by key ----------------------------------------------------------
 
-// Reads the keys of one section; finish() rejects any key that no read asked for, naming the
+// Reads the keys of one section; finish() rejects any key that no get() asked for, naming the
 // full dotted key and listing the valid ones.
 class Section {
  public:
@@ -153,12 +150,6 @@ class Section {
     return YAML::Node(YAML::NodeType::Undefined);
   }
 
-  // Calls parse(node, dotted key) when the key is present.
-  void read(const std::string& key, const std::function<void(const YAML::Node&, const std::string&)>& parse) {
-    YAML::Node n = get(key);
-    if (n.IsDefined()) parse(n, full(key));
-  }
-
   void finish() const {
     for (const Entry& e : entries_) {
       if (std::find(known_.begin(), known_.end(), e.name) != known_.end()) continue;
@@ -180,294 +171,504 @@ class Section {
   std::vector<std::string> known_;
 };
 
-// ---- typed scalar readers ------------------------------------------------------------------
-
 [[noreturn]] void bad_type(const Context& ctx, const std::string& key, const YAML::Node& n, const char* expected) {
   fail("[config] ", key, ": expected ", expected, ", got ", describe(n), ctx.where(key, n));
 }
 
-int64_t to_int(const Context& ctx, const YAML::Node& n, const std::string& key, int64_t min) {
-  if (!n.IsScalar()) bad_type(ctx, key, n, "an integer");
-  std::string s = n.Scalar();
-  const char* b = s.data() + (!s.empty() && s[0] == '+');
-  int64_t v = 0;
-  auto res = std::from_chars(b, s.data() + s.size(), v);
-  if (res.ec != std::errc() || res.ptr != s.data() + s.size() || s.empty()) bad_type(ctx, key, n, "an integer");
-  QUILT_CHECK(v >= min, "[config] ", key, " must be >= ", min, ", got ", v, ctx.where(key, n));
+// ---- settings as they are written back ------------------------------------------------------
+
+// One setting as recipe_to_yaml writes it: a scalar, or a map of named settings.
+struct Item {
+  std::string name, text;
+  bool quoted = false;  // a string that would read back as none or auto
+  bool is_map = false;
+  std::vector<Item> items;
+  const char* doc = "";
+  const char* ignored = nullptr;  // accepted, but nothing uses it yet: why (inherited by the items)
+};
+
+Item scalar(std::string text, bool quoted = false) {
+  Item v;
+  v.text = std::move(text), v.quoted = quoted;
   return v;
 }
 
-double to_double(const Context& ctx, const YAML::Node& n, const std::string& key) {
-  if (!n.IsScalar()) bad_type(ctx, key, n, "a number");
-  std::string s = n.Scalar();
+// "8" or "{rope_type: llama3, factor: 8}", for messages.
+std::string compact(const Item& v) {
+  if (!v.is_map) return v.quoted ? "\"" + v.text + "\"" : v.text;
+  std::vector<std::string> parts;
+  for (const Item& c : v.items) parts.push_back(c.name + ": " + compact(c));
+  return "{" + join(parts) + "}";
+}
+
+// One leaf of an Item tree: the dotted key, its YAML text, and the notes it inherits.
+struct Leaf {
+  std::string key, text;
+  const char* doc;
+  const char* ignored;
+  bool operator==(const Leaf& o) const { return key == o.key && text == o.text; }
+};
+
+void flatten(const Item& v, const std::string& key, const char* ignored, std::vector<Leaf>& out) {
+  const char* note = v.ignored ? v.ignored : ignored;
+  if (!v.is_map) return out.push_back({key, compact(v), v.doc, note});
+  for (const Item& c : v.items) flatten(c, key.empty() ? c.name : key + "." + c.name, note, out);
+}
+
+void emit(YAML::Emitter& out, const Item& v) {
+  if (!v.is_map) {
+    if (v.quoted) out << YAML::DoubleQuoted;
+    out << v.text;
+    return;
+  }
+  out << YAML::BeginMap;
+  for (const Item& c : v.items) {
+    out << YAML::Key << c.name << YAML::Value;
+    emit(out, c);
+  }
+  out << YAML::EndMap;
+}
+
+// ---- the tables: one Field per key -----------------------------------------------------------
+
+// One key of section S: how to read it (type and value rules, errors naming the dotted key),
+// how to write it back, and what it means.
+template <class S>
+struct Field {
+  std::string key;
+  std::function<void(S&, const YAML::Node&, const std::string& dotted_key, Section&)> read;
+  std::function<Item(const S&)> write;
+  const char* doc = "";
+  const char* ignored = nullptr;  // non-default values are accepted but change nothing yet: why
+  bool section = false;           // read even when absent, so the section's own rules run
+  std::vector<std::string> aliases;
+};
+
+// A section: its fields in recipe order, and the rules between them (run after reading).
+template <class S>
+struct Table {
+  std::vector<Field<S>> fields;
+  void (*check)(const S&) = nullptr;
+};
+
+template <class S>
+Item to_item(const Table<S>& t, const S& s) {
+  Item out;
+  out.is_map = true;
+  for (const Field<S>& f : t.fields) {
+    out.items.push_back(f.write(s));
+    out.items.back().name = f.key, out.items.back().doc = f.doc, out.items.back().ignored = f.ignored;
+  }
+  return out;
+}
+
+// Reads every field present in `sec` (or its alias: giving both names is an error).
+template <class S>
+void read_fields(const Table<S>& t, S& s, Section& sec) {
+  for (const Field<S>& f : t.fields) {
+    YAML::Node n = sec.get(f.key);
+    std::string k = sec.full(f.key);
+    for (const std::string& a : f.aliases) {
+      YAML::Node an = sec.get(a);
+      if (!an.IsDefined()) continue;
+      QUILT_CHECK(!n.IsDefined(), "[config] ", k, " and ", sec.full(a), " are the same setting; give only one",
+                  sec.ctx().where(sec.full(a), an));
+      n.reset(an);
+      k = sec.full(a);
+    }
+    if (n.IsDefined() || f.section) f.read(s, n, k, sec);
+  }
+}
+
+// Value kinds: read(out, node, dotted key, ctx) checks the type and the value rules; write(v)
+// is the text that reads back as v.
+template <class T>
+T parse_number(const Context& c, const YAML::Node& n, const std::string& k, const char* what) {
+  if (!n.IsScalar()) bad_type(c, k, n, what);
+  const std::string& s = n.Scalar();
   const char* b = s.data() + (!s.empty() && s[0] == '+');
-  double v = 0;
+  T v{};
   auto res = std::from_chars(b, s.data() + s.size(), v);
-  if (res.ec != std::errc() || res.ptr != s.data() + s.size() || s.empty() || !std::isfinite(v))
-    bad_type(ctx, key, n, "a finite number");
+  if (res.ec != std::errc() || res.ptr != s.data() + s.size() || s.empty()) bad_type(c, k, n, what);
   return v;
 }
 
-bool to_bool(const Context& ctx, const YAML::Node& n, const std::string& key) {
-  if (!n.IsScalar()) bad_type(ctx, key, n, "true or false");
-  std::string s = lower(n.Scalar());
-  if (s == "true" || s == "yes" || s == "on") return true;
-  if (s == "false" || s == "no" || s == "off") return false;
-  bad_type(ctx, key, n, "true or false");
-}
+struct Int {
+  using type = int64_t;
+  int64_t min;
+  void read(int64_t& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    out = parse_number<int64_t>(c, n, k, "an integer");
+    QUILT_CHECK(out >= min, "[config] ", k, " must be >= ", min, ", got ", out, c.where(k, n));
+  }
+  Item write(int64_t v) const { return scalar(std::to_string(v)); }
+};
 
-std::string to_string(const Context& ctx, const YAML::Node& n, const std::string& key) {
-  if (!n.IsScalar()) bad_type(ctx, key, n, "a string");
-  return n.Scalar();
-}
+// A finite number with an inclusive lower bound, or an exclusive one when `strict`.
+struct Real {
+  using type = double;
+  double min;
+  bool strict;
+  const char* hint = "";
+  void read(double& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    out = parse_number<double>(c, n, k, n.IsScalar() ? "a finite number" : "a number");
+    if (!std::isfinite(out)) bad_type(c, k, n, "a finite number");
+    QUILT_CHECK(strict ? out > min : out >= min, "[config] ", k, " must be ", strict ? "> " : ">= ",
+                format_double(min), hint, ", got ", n.Scalar(), c.where(k, n));
+  }
+  Item write(double v) const { return scalar(format_double(v)); }
+};
+
+struct Bool {
+  using type = bool;
+  void read(bool& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    std::string s = n.IsScalar() ? n.Scalar() : "";
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    if (s == "true" || s == "yes" || s == "on") out = true;
+    else if (s == "false" || s == "no" || s == "off") out = false;
+    else bad_type(c, k, n, "true or false");
+  }
+  Item write(bool v) const { return scalar(v ? "true" : "false"); }
+};
+
+struct Str {
+  using type = std::string;
+  const char* nonempty = nullptr;  // set: '' is rejected, this saying what is expected
+  void read(std::string& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    if (!n.IsScalar()) bad_type(c, k, n, "a string");
+    out = n.Scalar();
+    QUILT_CHECK(!nonempty || !out.empty(), "[config] ", k, ": expected ", nonempty, ", got ''", c.where(k, n));
+  }
+  Item write(const std::string& v) const { return scalar(v, is_none_word(v)); }
+};
 
 // One of `names`; the error lists them all.
-std::string to_choice(const Context& ctx, const YAML::Node& n, const std::string& key,
-                      const std::vector<std::string>& names) {
-  std::string s = n.IsScalar() ? n.Scalar() : "";
-  if (n.IsScalar() && std::find(names.begin(), names.end(), s) != names.end()) return s;
-  fail("[config] ", key, ": expected one of ", join(names, " | "), ", got ", describe(n), ctx.where(key, n));
-}
+struct Choice {
+  using type = std::string;
+  std::vector<std::string> names;
+  void read(std::string& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    if (n.IsScalar() && std::find(names.begin(), names.end(), n.Scalar()) != names.end()) return void(out = n.Scalar());
+    fail("[config] ", k, ": expected one of ", join(names, " | "), ", got ", describe(n), c.where(k, n));
+  }
+  Item write(const std::string& v) const { return scalar(v); }
+};
 
-// Convenience readers bound to a section.
-void read_int(Section& s, const std::string& key, int64_t& out, int64_t min) {
-  s.read(key, [&](const YAML::Node& n, const std::string& k) { out = to_int(s.ctx(), n, k, min); });
-}
-void read_opt_int(Section& s, const std::string& key, std::optional<int64_t>& out, int64_t min) {
-  s.read(key, [&](const YAML::Node& n, const std::string& k) {
-    if (is_none(n)) out.reset();
-    else out = to_int(s.ctx(), n, k, min);
-  });
-}
-// A number with an inclusive lower bound, or an exclusive one when `strict`.
-void read_double(Section& s, const std::string& key, double& out, double min, bool strict) {
-  s.read(key, [&](const YAML::Node& n, const std::string& k) {
-    double v = to_double(s.ctx(), n, k);
-    QUILT_CHECK(strict ? v > min : v >= min, "[config] ", k, " must be ", strict ? "> " : ">= ", format_double(min),
-                ", got ", n.Scalar(), s.ctx().where(k, n));
-    out = v;
-  });
-}
-void read_bool(Section& s, const std::string& key, bool& out) {
-  s.read(key, [&](const YAML::Node& n, const std::string& k) { out = to_bool(s.ctx(), n, k); });
-}
-void read_string(Section& s, const std::string& key, std::string& out) {
-  s.read(key, [&](const YAML::Node& n, const std::string& k) { out = to_string(s.ctx(), n, k); });
-}
-void read_opt_string(Section& s, const std::string& key, std::optional<std::string>& out) {
-  s.read(key, [&](const YAML::Node& n, const std::string& k) {
-    if (is_none(n)) out.reset();
-    else out = to_string(s.ctx(), n, k);
-  });
-}
-void read_choice(Section& s, const std::string& key, std::string& out, const std::vector<std::string>& names) {
-  s.read(key, [&](const YAML::Node& n, const std::string& k) { out = to_choice(s.ctx(), n, k, names); });
-}
-void read_dtype(Section& s, const std::string& key, std::optional<DType>& out, bool allow_none) {
-  s.read(key, [&](const YAML::Node& n, const std::string& k) {
-    if (allow_none && is_none(n)) {
-      out.reset();
-      return;
-    }
+// An enum spelled by its name function (decay_name, backend_name, ...).
+template <class E>
+struct Enum {
+  using type = E;
+  std::vector<E> values;
+  const char* (*name)(E);
+  void read(E& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    Choice words;
+    for (E e : values) words.names.push_back(name(e));
+    std::string s;
+    words.read(s, n, k, c);
+    out = values[std::find(words.names.begin(), words.names.end(), s) - words.names.begin()];
+  }
+  Item write(E v) const { return scalar(name(v)); }
+};
+
+struct Dtype {
+  using type = DType;
+  bool none_ok = false;  // only for the message: Opt reads none
+  void read(DType& out, const YAML::Node& n, const std::string& k, const Context& c) const {
     std::optional<DType> d = n.IsScalar() ? parse_float_dtype(n.Scalar()) : std::nullopt;
-    if (!d) bad_type(s.ctx(), k, n, allow_none ? "float32 | bfloat16 | float16 | float64 | none"
-                                               : "float32 | bfloat16 | float16 | float64");
-    out = d;
-  });
+    if (!d) bad_type(c, k, n, none_ok ? "float32 | bfloat16 | float16 | float64 | none"
+                                      : "float32 | bfloat16 | float16 | float64");
+    out = *d;
+  }
+  Item write(DType v) const { return scalar(float_dtype_name(v)); }
+};
+
+// An unquoted none (null, ~) or a value of kind K.
+template <class K>
+struct Opt {
+  using type = std::optional<typename K::type>;
+  K inner;
+  void read(type& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    if (is_none(n)) return out.reset();
+    typename K::type v{};
+    inner.read(v, n, k, c);
+    out = v;
+  }
+  Item write(const type& v) const { return v ? inner.write(*v) : scalar("none"); }
+};
+
+// A nested section (distributed.pipeline, the sections of a recipe): keys not given keep their defaults.
+template <class C>
+struct Sub {
+  using type = C;
+  const Table<C>& (*table)();
+  void read(C& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    Section s(n, k, c);
+    read_fields(table(), out, s);
+    s.finish();
+    if (table().check) table().check(out);
+  }
+  Item write(const C& v) const { return to_item(table(), v); }
+};
+
+template <class K>
+constexpr bool kIsSub = false;
+template <class C>
+constexpr bool kIsSub<Sub<C>> = true;
+
+// The Field of member `m` of S, read and written as kind K.
+template <class S, class T, class K>
+Field<S> field(const char* key, T S::*m, K kind, const char* doc, const char* ignored = nullptr) {
+  static_assert(std::is_same_v<T, typename K::type>, "the kind reads another type than the member holds");
+  auto read = [m, kind](S& s, const YAML::Node& n, const std::string& k, Section& sec) {
+    kind.read(s.*m, n, k, sec.ctx());
+  };
+  return {key, read, [m, kind](const S& s) { return kind.write(s.*m); }, doc, ignored, kIsSub<K>, {}};
 }
 
-// ---- sections ------------------------------------------------------------------------------
+const Table<RopeParameters>& rope_table() {
+  using R = RopeParameters;
+  static const Table<R> t{{
+      field("rope_type", &R::rope_type, Choice{{"default", "llama3"}}, "default: plain RoPE"),
+      field("factor", &R::factor, Real{1, false}, "wavelength scaling of the low frequencies"),
+      field("low_freq_factor", &R::low_freq_factor, Real{0, true}, "llama3 band edge (low)"),
+      field("high_freq_factor", &R::high_freq_factor, Real{0, true}, "llama3 band edge (high)"),
+      field("original_max_position_embeddings", &R::original_max_position_embeddings, Int{1}, "trained context"),
+  }};
+  return t;
+}
 
-void parse_model(const YAML::Node& node, const Context& ctx, ModelConfig& m) {
-  Section s(node, "model", ctx);
-  read_choice(s, "model_type", m.model_type, kModelTypes);
-  read_int(s, "hidden_size", m.hidden_size, 1);
-  read_int(s, "intermediate_size", m.intermediate_size, 1);
-  read_int(s, "num_hidden_layers", m.num_hidden_layers, 1);
-  read_int(s, "num_attention_heads", m.num_attention_heads, 1);
-  read_opt_int(s, "num_key_value_heads", m.num_key_value_heads, 1);
-  read_opt_int(s, "head_dim", m.head_dim, 1);
-  read_double(s, "rms_norm_eps", m.rms_norm_eps, 0, true);
-  read_double(s, "rope_theta", m.rope_theta, 0, true);
-  // HF's older configs call it rope_scaling; accept either name, never both.
-  YAML::Node rp = s.get("rope_parameters");
-  YAML::Node rs = s.get("rope_scaling");
-  QUILT_CHECK(!(rp.IsDefined() && rs.IsDefined()), "[config] model.rope_parameters and model.rope_scaling are the "
-              "same setting; give only one", ctx.where("model.rope_scaling", rs));
-  const std::string rope_key = rs.IsDefined() ? "model.rope_scaling" : "model.rope_parameters";
-  YAML::Node rope = rs.IsDefined() ? rs : rp;
-  if (rope.IsDefined()) {
-    if (is_none(rope)) {
-      m.rope_parameters.reset();
-    } else {
-      Section r(rope, rope_key, ctx);
-      RopeParameters p;
-      read_choice(r, "rope_type", p.rope_type, {"default", "llama3"});
-      // HF v5 keeps rope_theta inside rope_parameters.
+// model.rope_parameters (HF's older name: rope_scaling). HF v5 may keep rope_theta inside it.
+Field<ModelConfig> rope_field() {
+  Field<ModelConfig> f;
+  f.key = "rope_parameters";
+  f.aliases = {"rope_scaling"};
+  f.doc = "RoPE frequency scaling {rope_type: llama3, factor, ...}; none: plain RoPE";
+  f.read = [](ModelConfig& m, const YAML::Node& n, const std::string& k, Section& s) {
+    if (is_none(n)) return m.rope_parameters.reset();
+    Section r(n, k, s.ctx());
+    RopeParameters p;
+    read_fields(rope_table(), p, r);
+    YAML::Node inner = r.get("rope_theta");
+    r.finish();
+    if (inner.IsDefined()) {
       double theta = 0;
-      bool has_theta = r.get("rope_theta").IsDefined();
-      read_double(r, "rope_theta", theta, 0, true);
-      read_double(r, "factor", p.factor, 1, false);
-      read_double(r, "low_freq_factor", p.low_freq_factor, 0, true);
-      read_double(r, "high_freq_factor", p.high_freq_factor, 0, true);
-      read_int(r, "original_max_position_embeddings", p.original_max_position_embeddings, 1);
-      r.finish();
-      if (has_theta) {
-        YAML::Node outer = s.get("rope_theta");
-        QUILT_CHECK(!outer.IsDefined() || theta == m.rope_theta, "[config] ", rope_key, ".rope_theta ",
-                    format_double(theta), " differs from model.rope_theta ", format_double(m.rope_theta),
-                    "; give it once");
-        m.rope_theta = theta;
-      }
-      QUILT_CHECK(p.high_freq_factor > p.low_freq_factor, "[config] ", rope_key, ".high_freq_factor ",
-                  format_double(p.high_freq_factor), " must be greater than low_freq_factor ",
-                  format_double(p.low_freq_factor), ctx.where(rope_key, rope));
-      if (p.rope_type == "default") m.rope_parameters.reset();
-      else m.rope_parameters = p;
+      Real{0, true}.read(theta, inner, k + ".rope_theta", s.ctx());
+      QUILT_CHECK(!s.get("rope_theta").IsDefined() || theta == m.rope_theta, "[config] ", k, ".rope_theta ",
+                  format_double(theta), " differs from model.rope_theta ", format_double(m.rope_theta),
+                  "; give it once");
+      m.rope_theta = theta;
     }
+    QUILT_CHECK(p.high_freq_factor > p.low_freq_factor, "[config] ", k, ".high_freq_factor ",
+                format_double(p.high_freq_factor), " must be greater than low_freq_factor ",
+                format_double(p.low_freq_factor), s.ctx().where(k, n));
+    if (p.rope_type == "default") m.rope_parameters.reset();
+    else m.rope_parameters = p;
+  };
+  f.write = [](const ModelConfig& m) {
+    return m.rope_parameters ? to_item(rope_table(), *m.rope_parameters) : scalar("none");
+  };
+  return f;
+}
+
+const Table<ModelConfig>& model_table() {
+  using M = ModelConfig;
+  static const Table<M> t{{
+      field("model_type", &M::model_type, Choice{kModelTypes}, "decoder family (HF model_type)"),
+      field("hidden_size", &M::hidden_size, Int{1}, "width of the residual stream"),
+      field("intermediate_size", &M::intermediate_size, Int{1}, "width of the MLP"),
+      field("num_hidden_layers", &M::num_hidden_layers, Int{1}, "decoder blocks"),
+      field("num_attention_heads", &M::num_attention_heads, Int{1}, "query heads"),
+      field("num_key_value_heads", &M::num_key_value_heads, Opt<Int>{{1}}, "key/value heads; none: no GQA"),
+      field("head_dim", &M::head_dim, Opt<Int>{{1}}, "none: hidden_size / num_attention_heads"),
+      field("rms_norm_eps", &M::rms_norm_eps, Real{0, true}, "RMSNorm epsilon"),
+      field("rope_theta", &M::rope_theta, Real{0, true}, "RoPE base"),
+      rope_field(),
+      field("vocab_size", &M::vocab_size, Int{1}, "embedding rows; at least the tokenizer's ids"),
+      field("tie_word_embeddings", &M::tie_word_embeddings, Bool{}, "the LM head reuses the embedding"),
+      field("max_position_embeddings", &M::max_position_embeddings, Int{1}, "longest sequence"),
+      field("initializer_range", &M::initializer_range, Real{0, true}, "std of the random init"),
+      field("pretrained", &M::pretrained, Opt<Str>{{"a directory with HF config.json and model.safetensors"}},
+            "HF checkpoint directory to start from (config.json + model.safetensors[.index.json]); none: random"),
+  }, [](const ModelConfig& m) {
+    QUILT_CHECK(m.num_attention_heads % m.kv_heads() == 0, "[config] model.num_attention_heads ",
+                m.num_attention_heads, " is not divisible by model.num_key_value_heads ", m.kv_heads(),
+                " (grouped-query attention shares each key/value head among a whole number of query heads)");
+    QUILT_CHECK(m.head_dim || m.hidden_size % m.num_attention_heads == 0, "[config] model.hidden_size ",
+                m.hidden_size, " is not divisible by model.num_attention_heads ", m.num_attention_heads,
+                "; set model.head_dim explicitly");
+  }};
+  return t;
+}
+
+const Table<DataConfig>& data_table() {
+  using D = DataConfig;
+  static const Table<D> t{{
+      field("path", &D::path, Str{}, "training shards: a directory of *.bin, a glob, or one file"),
+      field("val_path", &D::val_path, Opt<Str>{}, "validation shards; none: no validation"),
+      field("tokenizer", &D::tokenizer, Choice{tokenizer_names()}, "tokenizer the shards were made with"),
+      field("format", &D::format, Enum<DataFormat>{{DataFormat::kLlmc, DataFormat::kNanogpt}, data_format_name},
+            "shard layout: llmc (header + tokens) | nanogpt (raw uint16)"),
+  }, [](const DataConfig& d) {
+    QUILT_CHECK(!d.path.empty() && d.path != "none", "[config] data.path is required: a directory of token "
+                "shards, a glob, or one file (make them with `quilt data prepare`)");
+  }};
+  return t;
+}
+
+const Table<TrainConfig>& train_table() {
+  using T = TrainConfig;
+  static const Table<T> t{{
+      field("steps", &T::steps, Int{1}, "optimizer steps"),
+      field("global_batch_size", &T::global_batch_size, Int{1}, "sequences per step over all data-parallel ranks"),
+      field("micro_batch_size", &T::micro_batch_size, Int{1}, "sequences per rank per forward/backward"),
+      field("seq_len", &T::seq_len, Int{1}, "tokens per sequence"),
+      field("lr", &T::lr, Real{0, true}, "peak learning rate"),
+      field("min_lr", &T::min_lr, Real{0, false}, "learning rate at the end of the decay"),
+      field("warmup_steps", &T::warmup_steps, Int{0}, "linear warm-up steps (may exceed steps)"),
+      field("decay", &T::decay, Enum<Decay>{{Decay::kCosine, Decay::kLinear}, decay_name},
+            "learning-rate decay after warm-up"),
+      field("weight_decay", &T::weight_decay, Real{0, false}, "AdamW weight decay"),
+      field("beta1", &T::beta1, Real{0, false}, "AdamW beta1 (< 1)"),
+      field("beta2", &T::beta2, Real{0, false}, "AdamW beta2 (< 1)"),
+      field("eps", &T::eps, Real{0, true}, "AdamW epsilon"),
+      field("max_grad_norm", &T::max_grad_norm, Opt<Real>{{0, true, " (or none for no clipping)"}},
+            "gradient clipping norm; none: no clipping"),
+      field("seed", &T::seed, Int{0}, "initialisation and data-order seed"),
+      field("dtype", &T::dtype, Dtype{}, "master weights and optimizer state"),
+      field("param_dtype", &T::param_dtype, Opt<Dtype>{{true}}, "compute dtype of parameters; none: dtype"),
+      field("reduce_dtype", &T::reduce_dtype, Opt<Dtype>{{true}}, "gradient reduction dtype; none: dtype"),
+      field("output_dtype", &T::output_dtype, Opt<Dtype>{{true}}, "dtype of module outputs; none: dtype"),
+      field("eval_every", &T::eval_every, Int{0}, "steps between evaluations; 0: never"),
+      field("eval_steps", &T::eval_steps, Int{1}, "global batches per evaluation"),
+  }, [](const TrainConfig& t) {
+    QUILT_CHECK(t.beta1 < 1, "[config] train.beta1 must be < 1, got ", format_double(t.beta1));
+    QUILT_CHECK(t.beta2 < 1, "[config] train.beta2 must be < 1, got ", format_double(t.beta2));
+    QUILT_CHECK(t.min_lr <= t.lr, "[config] train.min_lr ", format_double(t.min_lr), " is greater than train.lr ",
+                format_double(t.lr));
+    QUILT_CHECK(t.global_batch_size % t.micro_batch_size == 0, "[config] train.global_batch_size ",
+                t.global_batch_size, " is not divisible by train.micro_batch_size ", t.micro_batch_size);
+  }};
+  return t;
+}
+
+constexpr const char* kNoPipeline = "pipeline parallelism is not implemented yet";
+constexpr const char* kNoExperts = "expert parallelism is not implemented yet";
+
+const Table<PipelineConfig>& pipeline_table() {
+  using P = PipelineConfig;
+  static const Table<P> t{{
+      field("pp_schedule", &P::pp_schedule, Choice{pipeline_schedule_names()}, "pipeline schedule", kNoPipeline),
+      field("pp_microbatch_size", &P::pp_microbatch_size, Int{1}, "sequences per pipeline micro-batch", kNoPipeline),
+      field("scale_grads_in_schedule", &P::scale_grads_in_schedule, Bool{}, "the schedule scales gradients",
+            kNoPipeline),
+  }};
+  return t;
+}
+
+const Table<MoeConfig>& moe_table() {
+  using E = MoeConfig;
+  static const Table<E> t{{
+      field("reshard_after_forward", &E::reshard_after_forward, Bool{}, "expert FSDP units reshard", kNoExperts),
+      field("ignore_router_for_ac", &E::ignore_router_for_ac, Bool{}, "keep router outputs under AC", kNoExperts),
+      field("wrap_outer_model", &E::wrap_outer_model, Bool{}, "FSDP-wrap the non-expert rest", kNoExperts),
+  }};
+  return t;
+}
+
+const Table<DistributedConfig>& distributed_table() {
+  using D = DistributedConfig;
+  static const Table<D> t{{
+      field("strategy", &D::strategy,
+            Enum<Strategy>{{Strategy::kFsdp2, Strategy::kMegatronFsdp, Strategy::kDdp}, strategy_name},
+            "data-parallel strategy"),
+      field("dp_size", &D::dp_size, Opt<Int>{{1}}, "none: world / (tp * pp * cp)"),
+      field("dp_replicate_size", &D::dp_replicate_size, Opt<Int>{{1}}, "HSDP replicas (fsdp2); none: no HSDP"),
+      field("tp_size", &D::tp_size, Int{1}, "tensor parallelism"),
+      field("pp_size", &D::pp_size, Int{1}, "pipeline stages"),
+      field("cp_size", &D::cp_size, Int{1}, "context parallelism"),
+      field("ep_size", &D::ep_size, Int{1}, "expert parallelism; divides dp * cp"),
+      field("sequence_parallel", &D::sequence_parallel, Bool{}, "shard norms and dropout over tp"),
+      field("activation_checkpointing", &D::activation_checkpointing, Bool{}, "recompute blocks in backward"),
+      field("activation_checkpointing_mode", &D::activation_checkpointing_mode, Choice{{"full", "selective"}},
+            "selective keeps matmul outputs"),
+      field("reshard_after_forward", &D::reshard_after_forward, Bool{}, "fsdp2: false keeps gathered blocks"),
+      field("defer_fsdp_grad_sync", &D::defer_fsdp_grad_sync, Bool{}, "reduce gradients once per step"),
+      field("pipeline", &D::pipeline, Sub<PipelineConfig>{pipeline_table}, "pipeline schedule"),
+      field("moe", &D::moe, Sub<MoeConfig>{moe_table}, "mixture-of-experts wrapping"),
+  }};
+  return t;
+}
+
+const Table<DistEnvConfig>& dist_env_table() {
+  using E = DistEnvConfig;
+  static const Table<E> t{{
+      field("backend", &E::backend,
+            Enum<Backend>{{Backend::kMpi, Backend::kNccl, Backend::kThreads}, backend_name},
+            "communication backend"),
+      field("timeout_s", &E::timeout_s, Real{0, true}, "a slower collective aborts the job"),
+  }};
+  return t;
+}
+
+// checkpoint.resume: auto | none | a path (a quoted "auto" is the path auto).
+struct Resume {
+  using type = ResumeSpec;
+  void read(ResumeSpec& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    if (is_none(n)) return void(out = {ResumeSpec::Kind::kNone, ""});
+    std::string v;
+    Str{"auto | none | a checkpoint path"}.read(v, n, k, c);
+    if (v == "auto" && n.Tag() != "!") out = {ResumeSpec::Kind::kAuto, ""};
+    else out = {ResumeSpec::Kind::kPath, v};
   }
-  read_int(s, "vocab_size", m.vocab_size, 1);
-  read_bool(s, "tie_word_embeddings", m.tie_word_embeddings);
-  read_int(s, "max_position_embeddings", m.max_position_embeddings, 1);
-  read_double(s, "initializer_range", m.initializer_range, 0, true);
-  s.finish();
-
-  QUILT_CHECK(m.num_attention_heads % m.kv_heads() == 0, "[config] model.num_attention_heads ",
-              m.num_attention_heads, " is not divisible by model.num_key_value_heads ", m.kv_heads(),
-              " (grouped-query attention shares each key/value head among a whole number of query heads)");
-  QUILT_CHECK(m.head_dim || m.hidden_size % m.num_attention_heads == 0, "[config] model.hidden_size ",
-              m.hidden_size, " is not divisible by model.num_attention_heads ", m.num_attention_heads,
-              "; set model.head_dim explicitly");
-}
-
-void parse_data(const YAML::Node& node, const Context& ctx, DataConfig& d) {
-  Section s(node, "data", ctx);
-  read_string(s, "path", d.path);
-  read_opt_string(s, "val_path", d.val_path);
-  read_choice(s, "tokenizer", d.tokenizer, tokenizer_names());
-  std::string format = data_format_name(d.format);
-  read_choice(s, "format", format, {"llmc", "nanogpt"});
-  d.format = format == "llmc" ? DataFormat::kLlmc : DataFormat::kNanogpt;
-  s.finish();
-  QUILT_CHECK(!d.path.empty() && d.path != "none", "[config] data.path is required: a directory of token "
-              "shards, a glob, or one file (make them with `quilt data prepare`)");
-}
-
-void parse_train(const YAML::Node& node, const Context& ctx, TrainConfig& t) {
-  Section s(node, "train", ctx);
-  read_int(s, "steps", t.steps, 1);
-  read_int(s, "global_batch_size", t.global_batch_size, 1);
-  read_int(s, "micro_batch_size", t.micro_batch_size, 1);
-  read_int(s, "seq_len", t.seq_len, 1);
-  read_double(s, "lr", t.lr, 0, true);
-  read_double(s, "min_lr", t.min_lr, 0, false);
-  read_int(s, "warmup_steps", t.warmup_steps, 0);
-  std::string decay = decay_name(t.decay);
-  read_choice(s, "decay", decay, {"cosine", "linear"});
-  t.decay = decay == "cosine" ? Decay::kCosine : Decay::kLinear;
-  read_double(s, "weight_decay", t.weight_decay, 0, false);
-  read_double(s, "beta1", t.beta1, 0, false);
-  read_double(s, "beta2", t.beta2, 0, false);
-  read_double(s, "eps", t.eps, 0, true);
-  s.read("max_grad_norm", [&](const YAML::Node& n, const std::string& k) {
-    if (is_none(n)) {
-      t.max_grad_norm.reset();
-      return;
-    }
-    double v = to_double(ctx, n, k);
-    QUILT_CHECK(v > 0, "[config] ", k, " must be > 0 (or none for no clipping), got ", n.Scalar(), ctx.where(k, n));
-    t.max_grad_norm = v;
-  });
-  read_int(s, "seed", t.seed, 0);
-  std::optional<DType> dtype = t.dtype;
-  read_dtype(s, "dtype", dtype, false);
-  t.dtype = *dtype;
-  read_dtype(s, "param_dtype", t.param_dtype, true);
-  read_dtype(s, "reduce_dtype", t.reduce_dtype, true);
-  read_dtype(s, "output_dtype", t.output_dtype, true);
-  read_int(s, "eval_every", t.eval_every, 0);
-  read_int(s, "eval_steps", t.eval_steps, 1);
-  s.finish();
-
-  QUILT_CHECK(t.beta1 < 1, "[config] train.beta1 must be < 1, got ", format_double(t.beta1));
-  QUILT_CHECK(t.beta2 < 1, "[config] train.beta2 must be < 1, got ", format_double(t.beta2));
-  QUILT_CHECK(t.min_lr <= t.lr, "[config] train.min_lr ", format_double(t.min_lr), " is greater than train.lr ",
-              format_double(t.lr));
-  QUILT_CHECK(t.global_batch_size % t.micro_batch_size == 0, "[config] train.global_batch_size ",
-              t.global_batch_size, " is not divisible by train.micro_batch_size ", t.micro_batch_size);
-}
-
-void parse_distributed(const YAML::Node& node, const Context& ctx, DistributedConfig& d) {
-  Section s(node, "distributed", ctx);
-  std::string strategy = strategy_name(d.strategy);
-  read_choice(s, "strategy", strategy, {"fsdp2", "megatron_fsdp", "ddp"});
-  d.strategy = parse_strategy(strategy);
-  read_opt_int(s, "dp_size", d.dp_size, 1);
-  read_opt_int(s, "dp_replicate_size", d.dp_replicate_size, 1);
-  read_int(s, "tp_size", d.tp_size, 1);
-  read_int(s, "pp_size", d.pp_size, 1);
-  read_int(s, "cp_size", d.cp_size, 1);
-  read_int(s, "ep_size", d.ep_size, 1);
-  read_bool(s, "sequence_parallel", d.sequence_parallel);
-  read_bool(s, "activation_checkpointing", d.activation_checkpointing);
-  read_choice(s, "activation_checkpointing_mode", d.activation_checkpointing_mode, {"full", "selective"});
-  read_bool(s, "reshard_after_forward", d.reshard_after_forward);
-  read_bool(s, "defer_fsdp_grad_sync", d.defer_fsdp_grad_sync);
-  {
-    Section p(s.get("pipeline"), "distributed.pipeline", ctx);
-    read_choice(p, "pp_schedule", d.pipeline.pp_schedule, pipeline_schedule_names());
-    read_int(p, "pp_microbatch_size", d.pipeline.pp_microbatch_size, 1);
-    read_bool(p, "scale_grads_in_schedule", d.pipeline.scale_grads_in_schedule);
-    p.finish();
+  Item write(const ResumeSpec& r) const {
+    if (r.kind == ResumeSpec::Kind::kPath) return scalar(r.path, r.path == "auto" || is_none_word(r.path));
+    return scalar(r.kind == ResumeSpec::Kind::kAuto ? "auto" : "none");
   }
-  {
-    Section m(s.get("moe"), "distributed.moe", ctx);
-    read_bool(m, "reshard_after_forward", d.moe.reshard_after_forward);
-    read_bool(m, "ignore_router_for_ac", d.moe.ignore_router_for_ac);
-    read_bool(m, "wrap_outer_model", d.moe.wrap_outer_model);
-    m.finish();
-  }
-  s.finish();
+};
+
+const Table<CheckpointConfig>& checkpoint_table() {
+  using C = CheckpointConfig;
+  static const Table<C> t{{
+      field("dir", &C::dir, Opt<Str>{}, "none: no checkpoints"),
+      field("every_steps", &C::every_steps, Int{0}, "0: only at the end"),
+      field("keep_last", &C::keep_last, Int{0}, "0: keep all"),
+      field("resume", &C::resume, Resume{}, "auto (newest in dir) | none | a checkpoint path"),
+      field("save_consolidated", &C::save_consolidated, Bool{}, "also write HF safetensors at the end"),
+  }, [](const CheckpointConfig& c) {
+    QUILT_CHECK(c.dir || c.every_steps == 0, "[config] checkpoint.every_steps is ", c.every_steps,
+                " but checkpoint.dir is none; set checkpoint.dir");
+    QUILT_CHECK(c.dir || !c.save_consolidated, "[config] checkpoint.save_consolidated is true but checkpoint.dir is "
+                "none; set checkpoint.dir");
+  }};
+  return t;
 }
 
-void parse_dist_env(const YAML::Node& node, const Context& ctx, DistEnvConfig& e) {
-  Section s(node, "dist_env", ctx);
-  std::string backend = backend_name(e.backend);
-  read_choice(s, "backend", backend, {"mpi", "nccl", "threads"});
-  e.backend = backend == "mpi" ? Backend::kMpi : backend == "nccl" ? Backend::kNccl : Backend::kThreads;
-  read_double(s, "timeout_s", e.timeout_s, 0, true);
-  s.finish();
+const Table<LoggingConfig>& logging_table() {
+  using L = LoggingConfig;
+  static const Table<L> t{{
+      field("dir", &L::dir, Opt<Str>{}, "metrics files; none: stdout only"),
+      field("every_steps", &L::every_steps, Int{1}, "steps between metrics lines"),
+      field("rank0_only", &L::rank0_only, Bool{}, "only rank 0 logs"),
+  }};
+  return t;
 }
 
-void parse_checkpoint(const YAML::Node& node, const Context& ctx, CheckpointConfig& c) {
-  Section s(node, "checkpoint", ctx);
-  read_opt_string(s, "dir", c.dir);
-  read_int(s, "every_steps", c.every_steps, 0);
-  read_int(s, "keep_last", c.keep_last, 0);
-  s.read("resume", [&](const YAML::Node& n, const std::string& k) {
-    if (is_none(n)) {
-      c.resume = {ResumeSpec::Kind::kNone, ""};
-      return;
-    }
-    std::string v = to_string(ctx, n, k);
-    QUILT_CHECK(!v.empty(), "[config] ", k, ": expected auto | none | a checkpoint path, got ''", ctx.where(k, n));
-    if (v == "auto" && n.Tag() != "!") c.resume = {ResumeSpec::Kind::kAuto, ""};
-    else c.resume = {ResumeSpec::Kind::kPath, v};
-  });
-  read_bool(s, "save_consolidated", c.save_consolidated);
-  s.finish();
-  QUILT_CHECK(c.dir || c.every_steps == 0, "[config] checkpoint.every_steps is ", c.every_steps,
-              " but checkpoint.dir is none; set checkpoint.dir");
-  QUILT_CHECK(c.dir || !c.save_consolidated, "[config] checkpoint.save_consolidated is true but checkpoint.dir is "
-              "none; set checkpoint.dir");
+const Table<RecipeConfig>& recipe_table() {
+  using R = RecipeConfig;
+  static const Table<R> t{{
+      field("model", &R::model, Sub<ModelConfig>{model_table}, "the decoder, in HF config.json names"),
+      field("data", &R::data, Sub<DataConfig>{data_table}, "token shards"),
+      field("train", &R::train, Sub<TrainConfig>{train_table}, "the optimisation loop"),
+      field("distributed", &R::distributed, Sub<DistributedConfig>{distributed_table}, "parallel layout"),
+      field("dist_env", &R::dist_env, Sub<DistEnvConfig>{dist_env_table}, "how ranks talk"),
+      field("checkpoint", &R::checkpoint, Sub<CheckpointConfig>{checkpoint_table}, "sharded checkpoints"),
+      field("logging", &R::logging, Sub<LoggingConfig>{logging_table}, "metrics lines and files"),
+  }};
+  return t;
 }
 
-void parse_logging(const YAML::Node& node, const Context& ctx, LoggingConfig& l) {
-  Section s(node, "logging", ctx);
-  read_opt_string(s, "dir", l.dir);
-  read_int(s, "every_steps", l.every_steps, 1);
-  read_bool(s, "rank0_only", l.rank0_only);
-  s.finish();
+std::vector<Leaf> leaves(const RecipeConfig& c) {
+  std::vector<Leaf> out;
+  flatten(to_item(recipe_table(), c), "", nullptr, out);
+  return out;
 }
 
 // ---- overrides -------------------------------------------------------------------------------
@@ -522,13 +723,7 @@ RecipeConfig parse_tree(YAML::Node root, const std::vector<std::string>& overrid
   RecipeConfig cfg;
   cfg.source = source;
   Section top(root, "", ctx);
-  parse_model(top.get("model"), ctx, cfg.model);
-  parse_data(top.get("data"), ctx, cfg.data);
-  parse_train(top.get("train"), ctx, cfg.train);
-  parse_distributed(top.get("distributed"), ctx, cfg.distributed);
-  parse_dist_env(top.get("dist_env"), ctx, cfg.dist_env);
-  parse_checkpoint(top.get("checkpoint"), ctx, cfg.checkpoint);
-  parse_logging(top.get("logging"), ctx, cfg.logging);
+  read_fields(recipe_table(), cfg, top);
   top.finish();
 
   // Rules between sections that do not depend on the world size.
@@ -540,30 +735,36 @@ RecipeConfig parse_tree(YAML::Node root, const std::vector<std::string>& overrid
               " exceeds model.max_position_embeddings ", cfg.model.max_position_embeddings);
   QUILT_CHECK(cfg.train.eval_every == 0 || cfg.data.val_path, "[config] train.eval_every is ",
               cfg.train.eval_every, " but data.val_path is none; set data.val_path or train.eval_every: 0");
+
+  // Keys that nothing reads yet: say so for each one the recipe moves off its default.
+  const std::vector<Leaf> defaults = leaves(RecipeConfig{});
+  for (const Leaf& l : leaves(cfg))
+    if (l.ignored && std::find(defaults.begin(), defaults.end(), l) == defaults.end())
+      cfg.warnings.push_back("[config] " + l.key + " is ignored: " + l.ignored);
   return cfg;
 }
 
-// ---- emitting --------------------------------------------------------------------------------
-
-struct Emit {
-  YAML::Emitter out;
-  void key(const char* k) { out << YAML::Key << k << YAML::Value; }
-  void kv(const char* k, const std::string& v) { key(k), out << v; }
-  void kv(const char* k, const char* v) { key(k), out << v; }
-  void kv(const char* k, int64_t v) { key(k), out << std::to_string(v); }
-  void kv(const char* k, double v) { key(k), out << format_double(v); }
-  void kv(const char* k, bool v) { key(k), out << (v ? "true" : "false"); }
-  template <class T>
-  void kv(const char* k, const std::optional<T>& v) {
-    if (v) kv(k, *v);
-    else kv(k, "none");
+// A config.json value as the YAML node a recipe would hold.
+YAML::Node json_to_yaml(const nlohmann::json& j) {
+  if (j.is_null()) return YAML::Node(YAML::NodeType::Null);
+  if (j.is_string()) return YAML::Node(j.get<std::string>());
+  if (j.is_object()) {
+    YAML::Node m(YAML::NodeType::Map);
+    for (auto it = j.begin(); it != j.end(); ++it) m[it.key()] = json_to_yaml(it.value());
+    return m;
   }
-  void kv(const char* k, const std::optional<DType>& v) { kv(k, v ? float_dtype_name(*v) : "none"); }
-  void begin(const char* k) { key(k), out << YAML::BeginMap; }
-  void end() { out << YAML::EndMap; }
-};
+  return YAML::Node(j.dump());  // numbers and booleans in JSON spelling, which the readers accept
+}
 
 }  // namespace
+
+bool operator==(const RecipeConfig& a, const RecipeConfig& b) { return leaves(a) == leaves(b); }
+
+std::vector<RecipeKey> recipe_keys() {
+  std::vector<RecipeKey> out;
+  for (const Leaf& l : leaves(RecipeConfig{})) out.push_back({l.key, l.text, l.doc});
+  return out;
+}
 
 RecipeConfig parse_recipe(const std::string& yaml_text, const std::vector<std::string>& overrides,
                           const std::string& source) {
@@ -581,128 +782,73 @@ RecipeConfig load_recipe(const std::string& path, const std::vector<std::string>
   QUILT_CHECK(in.good(), "[config] cannot read recipe '", path, "'");
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_recipe(ss.str(), overrides, path);
+  RecipeConfig cfg = parse_recipe(ss.str(), overrides, path);
+  for (const std::string& w : cfg.warnings) log_line(w);
+  return cfg;
 }
 
 std::string recipe_to_yaml(const RecipeConfig& c) {
-  Emit e;
-  e.out << YAML::BeginMap;
-  e.begin("model");
-  const ModelConfig& m = c.model;
-  e.kv("model_type", m.model_type);
-  e.kv("hidden_size", m.hidden_size);
-  e.kv("intermediate_size", m.intermediate_size);
-  e.kv("num_hidden_layers", m.num_hidden_layers);
-  e.kv("num_attention_heads", m.num_attention_heads);
-  e.kv("num_key_value_heads", m.num_key_value_heads);
-  e.kv("head_dim", m.head_dim);
-  e.kv("rms_norm_eps", m.rms_norm_eps);
-  e.kv("rope_theta", m.rope_theta);
-  if (m.rope_parameters) {
-    const RopeParameters& r = *m.rope_parameters;
-    e.begin("rope_parameters");
-    e.kv("rope_type", r.rope_type);
-    e.kv("factor", r.factor);
-    e.kv("low_freq_factor", r.low_freq_factor);
-    e.kv("high_freq_factor", r.high_freq_factor);
-    e.kv("original_max_position_embeddings", r.original_max_position_embeddings);
-    e.end();
-  } else {
-    e.kv("rope_parameters", "none");
+  YAML::Emitter out;
+  emit(out, to_item(recipe_table(), c));
+  return std::string(out.c_str()) + "\n";
+}
+
+std::vector<std::string> model_config_mismatches(const ModelConfig& recipe, const std::string& hf_config_json_text) {
+  const std::string where = (recipe.pretrained ? *recipe.pretrained + "/" : std::string()) + "config.json";
+  nlohmann::json hf;
+  try {
+    hf = nlohmann::json::parse(hf_config_json_text);
+  } catch (const nlohmann::json::exception& e) {
+    fail("[config] ", where, " is not valid JSON: ", e.what());
   }
-  e.kv("vocab_size", m.vocab_size);
-  e.kv("tie_word_embeddings", m.tie_word_embeddings);
-  e.kv("max_position_embeddings", m.max_position_embeddings);
-  e.kv("initializer_range", m.initializer_range);
-  e.end();
-
-  e.begin("data");
-  e.kv("path", c.data.path);
-  e.kv("val_path", c.data.val_path);
-  e.kv("tokenizer", c.data.tokenizer);
-  e.kv("format", data_format_name(c.data.format));
-  e.end();
-
-  const TrainConfig& t = c.train;
-  e.begin("train");
-  e.kv("steps", t.steps);
-  e.kv("global_batch_size", t.global_batch_size);
-  e.kv("micro_batch_size", t.micro_batch_size);
-  e.kv("seq_len", t.seq_len);
-  e.kv("lr", t.lr);
-  e.kv("min_lr", t.min_lr);
-  e.kv("warmup_steps", t.warmup_steps);
-  e.kv("decay", decay_name(t.decay));
-  e.kv("weight_decay", t.weight_decay);
-  e.kv("beta1", t.beta1);
-  e.kv("beta2", t.beta2);
-  e.kv("eps", t.eps);
-  e.kv("max_grad_norm", t.max_grad_norm);
-  e.kv("seed", t.seed);
-  e.kv("dtype", float_dtype_name(t.dtype));
-  e.kv("param_dtype", t.param_dtype);
-  e.kv("reduce_dtype", t.reduce_dtype);
-  e.kv("output_dtype", t.output_dtype);
-  e.kv("eval_every", t.eval_every);
-  e.kv("eval_steps", t.eval_steps);
-  e.end();
-
-  const DistributedConfig& d = c.distributed;
-  e.begin("distributed");
-  e.kv("strategy", strategy_name(d.strategy));
-  e.kv("dp_size", d.dp_size);
-  e.kv("dp_replicate_size", d.dp_replicate_size);
-  e.kv("tp_size", d.tp_size);
-  e.kv("pp_size", d.pp_size);
-  e.kv("cp_size", d.cp_size);
-  e.kv("ep_size", d.ep_size);
-  e.kv("sequence_parallel", d.sequence_parallel);
-  e.kv("activation_checkpointing", d.activation_checkpointing);
-  e.kv("activation_checkpointing_mode", d.activation_checkpointing_mode);
-  e.kv("reshard_after_forward", d.reshard_after_forward);
-  e.kv("defer_fsdp_grad_sync", d.defer_fsdp_grad_sync);
-  e.begin("pipeline");
-  e.kv("pp_schedule", d.pipeline.pp_schedule);
-  e.kv("pp_microbatch_size", d.pipeline.pp_microbatch_size);
-  e.kv("scale_grads_in_schedule", d.pipeline.scale_grads_in_schedule);
-  e.end();
-  e.begin("moe");
-  e.kv("reshard_after_forward", d.moe.reshard_after_forward);
-  e.kv("ignore_router_for_ac", d.moe.ignore_router_for_ac);
-  e.kv("wrap_outer_model", d.moe.wrap_outer_model);
-  e.end();
-  e.end();
-
-  e.begin("dist_env");
-  e.kv("backend", backend_name(c.dist_env.backend));
-  e.kv("timeout_s", c.dist_env.timeout_s);
-  e.end();
-
-  const CheckpointConfig& k = c.checkpoint;
-  e.begin("checkpoint");
-  e.kv("dir", k.dir);
-  e.kv("every_steps", k.every_steps);
-  e.kv("keep_last", k.keep_last);
-  switch (k.resume.kind) {
-    case ResumeSpec::Kind::kAuto: e.kv("resume", "auto"); break;
-    case ResumeSpec::Kind::kNone: e.kv("resume", "none"); break;
-    case ResumeSpec::Kind::kPath:
-      // A path spelled like a keyword must stay a path when read back.
-      e.key("resume");
-      if (k.resume.path == "auto" || k.resume.path == "none") e.out << YAML::DoubleQuoted;
-      e.out << k.resume.path;
-      break;
+  QUILT_CHECK(hf.is_object(), "[config] ", where, " is not a JSON object of model settings");
+  // HF's older configs call rope_parameters rope_scaling (and `type` its rope_type); v5 keeps
+  // rope_theta inside it. Only the keys the recipe has are compared.
+  nlohmann::json rope = hf.contains("rope_parameters") ? hf["rope_parameters"]
+                                                        : hf.value("rope_scaling", nlohmann::json());
+  if (rope.is_object()) {
+    if (!hf.contains("rope_theta") && rope.contains("rope_theta")) hf["rope_theta"] = rope["rope_theta"];
+    if (!rope.contains("rope_type") && rope.contains("type")) rope["rope_type"] = rope["type"];
+    nlohmann::json kept = nlohmann::json::object();
+    for (const Field<RopeParameters>& f : rope_table().fields)
+      if (rope.contains(f.key)) kept[f.key] = rope[f.key];
+    rope = kept;
   }
-  e.kv("save_consolidated", k.save_consolidated);
-  e.end();
+  if (hf.contains("rope_parameters") || hf.contains("rope_scaling")) hf["rope_parameters"] = rope;
 
-  e.begin("logging");
-  e.kv("dir", c.logging.dir);
-  e.kv("every_steps", c.logging.every_steps);
-  e.kv("rank0_only", c.logging.rank0_only);
-  e.end();
-  e.out << YAML::EndMap;
-  return std::string(e.out.c_str()) + "\n";
+  static const std::vector<std::string> kCompared = {
+      "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+      "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "vocab_size", "tie_word_embeddings",
+      "max_position_embeddings"};
+  YAML::Node given(YAML::NodeType::Map);
+  for (const std::string& k : kCompared)
+    if (hf.contains(k)) given[k] = json_to_yaml(hf[k]);
+  Context ctx;
+  ctx.source = where;
+  Section sec(given, "model", ctx);
+  std::vector<std::string> out;
+  for (const Field<ModelConfig>& f : model_table().fields) {
+    const YAML::Node n = sec.get(f.key);
+    const Item mine = f.write(recipe);
+    if (!n.IsDefined() || (!mine.is_map && mine.text == "none")) continue;  // none: left to config.json
+    const std::string key = "model." + f.key;
+    ModelConfig theirs = recipe;
+    try {
+      f.read(theirs, n, key, sec);
+    } catch (const Error& e) {
+      out.push_back(detail::concat(key, " is ", compact(mine), " in the recipe but ", hf[f.key].dump(), " in ", where,
+                                   ", which the recipe cannot hold: ", e.what()));
+      continue;
+    }
+    const Item their = f.write(theirs);
+    std::vector<Leaf> a, b;  // maps of one table: compare leaf by leaf
+    flatten(mine.is_map && their.is_map ? mine : scalar(compact(mine)), key, nullptr, a);
+    flatten(mine.is_map && their.is_map ? their : scalar(compact(their)), key, nullptr, b);
+    for (size_t i = 0; i < a.size(); ++i)
+      if (a[i].text != b[i].text)
+        out.push_back(detail::concat(a[i].key, " is ", a[i].text, " in the recipe but ", b[i].text, " in ", where));
+  }
+  return out;
 }
 
 ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {

@@ -10,6 +10,9 @@
 //   RecipeConfig cfg = load_recipe("recipes/llama_tiny.yaml", {"train.steps=20"});
 //   ParallelDims dims = check_recipe(cfg, /*world_size=*/4);   // cross-section rules
 //   std::cout << recipe_to_yaml(cfg);                           // the effective recipe
+//
+// Each section's keys are declared once, in a table in config.cpp that drives parsing,
+// validation messages, recipe_to_yaml, equality and recipe_keys().
 #pragma once
 
 #include <cstdint>
@@ -47,6 +50,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 2048;
   double initializer_range = 0.02;
+  std::optional<std::string> pretrained;  // none: random init; else a dir with HF config.json + model.safetensors
 
   /// num_key_value_heads, or num_attention_heads when it is none.
   int64_t kv_heads() const { return num_key_value_heads.value_or(num_attention_heads); }
@@ -152,10 +156,22 @@ struct RecipeConfig {
   DistEnvConfig dist_env;
   CheckpointConfig checkpoint;
   LoggingConfig logging;
-  std::string source;  // file it came from ("<string>" for parse_recipe)
+  std::string source;                 // file it came from ("<string>" for parse_recipe)
+  std::vector<std::string> warnings;  // settings read but not used yet, one line per key
 };
 
+/// Every setting equal (source and warnings are not settings).
+bool operator==(const RecipeConfig& a, const RecipeConfig& b);
+
+/// One recipe key: its dotted name, its default as YAML text, and what it means.
+struct RecipeKey {
+  std::string key, default_value, doc;
+};
+/// Every key a recipe may set, in recipe_to_yaml's order (map-valued defaults are listed by their leaves).
+std::vector<RecipeKey> recipe_keys();
+
 /// Reads a recipe file and applies "a.b.c=value" overrides; throws naming the key on any error.
+/// Logs each of the returned config's warnings (rank 0 only, via log_line).
 RecipeConfig load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
 /// Parses recipe text (tests, embedded recipes); `source` names it in errors.
 RecipeConfig parse_recipe(const std::string& yaml_text, const std::vector<std::string>& overrides = {},
@@ -167,6 +183,11 @@ std::string recipe_to_yaml(const RecipeConfig& cfg);
 /// sequence length vs context parallelism, heads vs tensor parallelism, ...). Returns the
 /// validated ParallelDims; throws naming the keys involved.
 ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size);
+/// One message per model field that the recipe sets and HF config.json (its text) contradicts,
+/// e.g. "model.hidden_size is 128 in the recipe but 64 in <model.pretrained>/config.json".
+/// Fields config.json lacks, and optional fields the recipe leaves none, are not compared.
+std::vector<std::string> model_config_mismatches(const ModelConfig& recipe, const std::string& hf_config_json_text);
+
 /// Smallest world size the recipe can run on: dp_size (or 1) * tp_size * pp_size * cp_size.
 int64_t default_world_size(const RecipeConfig& cfg);
 

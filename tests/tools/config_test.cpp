@@ -1,6 +1,7 @@
 // Recipes: parsing, overrides, unknown keys, value rules, cross-section rules, YAML round trip.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -272,4 +273,121 @@ TEST_CASE("config: YAML syntax errors and missing files name the file") {
   CHECK_THROWS_WITH_AS(parse("train: {steps: 3\n"), doctest::Contains("test.yaml:"), Error);
   CHECK_THROWS_WITH_AS(parse("train: {steps: 3\n"), doctest::Contains("YAML syntax error"), Error);
   CHECK_THROWS_WITH_AS(load_recipe("/nonexistent/r.yaml"), "[config] cannot read recipe '/nonexistent/r.yaml'", Error);
+}
+
+TEST_CASE("config: load_recipe(recipe_to_yaml(cfg)) == cfg for every recipe and a non-default one") {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path() / "quilt_config_roundtrip.yaml";
+  std::vector<RecipeConfig> configs;
+  for (const char* name : {"llama_tiny.yaml", "tp2.yaml", "hsdp2x2.yaml", "ddp2.yaml"})
+    configs.push_back(load_recipe(recipe_path(name)));
+  configs.push_back(parse(kMinimal, {"model.pretrained=/models/tiny", "model.head_dim=32", "train.seed=7",
+                                     "logging.dir=\"none\"", "checkpoint.dir=ck", "checkpoint.resume=\"auto\"",
+                                     "distributed.strategy=megatron_fsdp", "train.output_dtype=f16",
+                                     "model.rope_scaling={factor: 16, rope_theta: 500000}", "data.val_path=v.bin"}));
+  for (const RecipeConfig& c : configs) {
+    CAPTURE(c.source);
+    std::ofstream(tmp) << recipe_to_yaml(c);
+    RecipeConfig back = load_recipe(tmp.string());
+    CHECK(back == c);
+    CHECK(recipe_to_yaml(back) == recipe_to_yaml(c));
+  }
+  const RecipeConfig& odd = configs.back();
+  CHECK(odd.model.pretrained == "/models/tiny");
+  CHECK(odd.logging.dir == "none");  // the directory called none stays a string through the round trip
+  CHECK(odd.checkpoint.resume.kind == ResumeSpec::Kind::kPath);
+  CHECK(odd.model.rope_theta == 500000);
+  std::filesystem::remove(tmp);
+  // Equality sees every key, nested ones too, and ignores where the recipe came from.
+  RecipeConfig a = parse(kMinimal), b = parse_recipe(kMinimal, {}, "other.yaml");
+  CHECK(a == b);
+  b.distributed.moe.wrap_outer_model = false;
+  CHECK_FALSE(a == b);
+}
+
+TEST_CASE("config: every key in recipe_keys() has a doc, and --set key=<its default> changes nothing") {
+  const std::vector<RecipeKey> keys = recipe_keys();
+  CHECK(keys.size() >= 60);
+  const RecipeConfig base = parse(kMinimal);
+  for (const RecipeKey& k : keys) {
+    CAPTURE(k.key);
+    CHECK_FALSE(k.doc.empty());
+    if (k.key == "data.path") continue;  // required: its default (empty) is rejected
+    CHECK(parse(kMinimal, {k.key + "=" + k.default_value}) == base);
+  }
+  auto has = [&](const std::string& key) {
+    return std::any_of(keys.begin(), keys.end(), [&](const RecipeKey& k) { return k.key == key; });
+  };
+  CHECK(has("model.pretrained"));
+  CHECK(has("distributed.pipeline.pp_schedule"));
+  CHECK(has("distributed.moe.wrap_outer_model"));
+  CHECK(has("checkpoint.resume"));
+}
+
+TEST_CASE("config: model.pretrained is a path or none and must not be empty") {
+  CHECK_FALSE(parse(kMinimal).model.pretrained.has_value());
+  CHECK(parse(kMinimal + "model: {pretrained: hf/llama}\n").model.pretrained == "hf/llama");
+  CHECK_FALSE(parse(kMinimal + "model: {pretrained: none}\n").model.pretrained.has_value());
+  CHECK_THROWS_WITH_AS(parse(kMinimal + "model: {pretrained: \"\"}\n"),
+                       doctest::Contains("model.pretrained: expected a directory with HF config.json"), Error);
+  CHECK_THROWS_WITH_AS(parse(kMinimal + "model: {pretrained: [a]}\n"),
+                       doctest::Contains("model.pretrained: expected a string, got a list"), Error);
+  CHECK(recipe_to_yaml(parse(kMinimal, {"model.pretrained=hf/llama"})).find("  pretrained: hf/llama\n") !=
+        std::string::npos);
+}
+
+TEST_CASE("config: pipeline and moe keys off their defaults warn once each that they are ignored") {
+  CHECK(parse(kMinimal).warnings.empty());
+  CHECK(load_recipe(recipe_path("llama_tiny.yaml")).warnings.empty());  // it spells out the defaults
+  RecipeConfig c = parse(kMinimal, {"distributed.moe.reshard_after_forward=true",
+                                    "distributed.pipeline={pp_schedule: gpipe, pp_microbatch_size: 2}",
+                                    "distributed.moe.wrap_outer_model=true", "distributed.tp_size=2"});
+  CHECK(c.warnings == std::vector<std::string>{
+                          "[config] distributed.pipeline.pp_schedule is ignored: pipeline parallelism is not "
+                          "implemented yet",
+                          "[config] distributed.pipeline.pp_microbatch_size is ignored: pipeline parallelism is not "
+                          "implemented yet",
+                          "[config] distributed.moe.reshard_after_forward is ignored: expert parallelism is not "
+                          "implemented yet"});
+  CHECK(c.distributed.moe.reshard_after_forward);  // still read and kept: only its use is missing
+  // Warnings are not settings.
+  CHECK(c == parse(recipe_to_yaml(c)));
+}
+
+TEST_CASE("config: model_config_mismatches names each recipe field that config.json contradicts") {
+  RecipeConfig c = parse(kMinimal, {"model.pretrained=hf/tiny", "model.num_key_value_heads=2"});
+  const std::string agreeing = R"({"model_type": "llama", "hidden_size": 128, "intermediate_size": 384,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0, "rope_scaling": null, "vocab_size": 320, "tie_word_embeddings": false,
+    "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "head_dim": 32})";
+  CHECK(model_config_mismatches(c.model, agreeing).empty());  // head_dim is none in the recipe: not compared
+  CHECK(model_config_mismatches(c.model, "{}").empty());      // keys config.json lacks are not compared
+  const std::string differing = R"({"hidden_size": 64, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": true, "vocab_size": 320})";
+  CHECK(model_config_mismatches(c.model, differing) ==
+        std::vector<std::string>{"model.hidden_size is 128 in the recipe but 64 in hf/tiny/config.json",
+                                 "model.num_key_value_heads is 2 in the recipe but 4 in hf/tiny/config.json",
+                                 "model.rms_norm_eps is 1e-05 in the recipe but 1e-06 in hf/tiny/config.json",
+                                 "model.tie_word_embeddings is false in the recipe but true in hf/tiny/config.json"});
+  // rope: HF v5 keeps rope_theta inside rope_parameters; older files say rope_scaling and `type`.
+  RecipeConfig r = parse(kMinimal, {"model.pretrained=hf/l3", "model.rope_theta=500000",
+                                    "model.rope_parameters={rope_type: llama3, factor: 32}"});
+  CHECK(model_config_mismatches(r.model, R"({"rope_parameters": {"rope_type": "llama3", "factor": 32.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0}})").empty());
+  CHECK(model_config_mismatches(r.model, R"({"rope_theta": 10000, "rope_scaling": {"type": "llama3", "factor": 8}})") ==
+        std::vector<std::string>{"model.rope_theta is 5e+05 in the recipe but 10000 in hf/l3/config.json",
+                                 "model.rope_parameters.factor is 32 in the recipe but 8 in hf/l3/config.json"});
+  CHECK(model_config_mismatches(r.model, R"({"rope_scaling": null})") ==
+        std::vector<std::string>{"model.rope_parameters is {rope_type: llama3, factor: 32, low_freq_factor: 1, "
+                                 "high_freq_factor: 4, original_max_position_embeddings: 8192} in the recipe but "
+                                 "none in hf/l3/config.json"});
+  // A rope_parameters the recipe leaves none is config.json's to decide.
+  CHECK(model_config_mismatches(c.model, R"({"rope_scaling": {"rope_type": "llama3", "factor": 8}})").empty());
+  // A value the recipe could not even hold is a mismatch too, with the reason.
+  std::vector<std::string> yarn = model_config_mismatches(r.model, R"({"rope_scaling": {"rope_type": "yarn"}})");
+  REQUIRE(yarn.size() == 1);
+  CHECK(yarn[0].find("model.rope_parameters is {rope_type: llama3") == 0);
+  CHECK(yarn[0].find("expected one of default | llama3, got 'yarn'") != std::string::npos);
+  CHECK_THROWS_WITH_AS(model_config_mismatches(c.model, "{not json"),
+                       doctest::Contains("hf/tiny/config.json is not valid JSON"), Error);
 }
