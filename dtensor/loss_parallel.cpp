@@ -80,33 +80,12 @@ Tensor local_rows(const Tensor& t, const Layout& l) {
 
 // ---- ignore_index ----
 
-// The engine's primitives publish no "ignore_index" attribute (yet), so the op is asked: on a
-// (1, 2) probe, a target it ignores gives loss 0 and skips the range check, while any other
-// target gives log 2 (0 or 1) or throws (out of range).
-bool op_ignores(Primitive& p, int64_t v, DType target_dtype) {
-  const Tensor x = zeros({1, 2});
-  const Tensor t = full({1}, double(v), {.dtype = target_dtype});
-  try {
-    return p.forward({x, t}).at(0).item<double>() == 0.0;
-  } catch (const Error&) {
-    return false;
-  }
-}
-
-// The ignore index as far as these targets are concerned: the attribute when the op has one,
-// else the default -100 when the op ignores it, else the one present value the op ignores
-// (values outside [0, C) first, as only the ignore index may be one), nullopt when it ignores
-// none of them.
-std::optional<int64_t> ignore_index_of(Primitive& p, const std::vector<int64_t>& targets, int64_t classes,
-                                       DType target_dtype) {
+// The ignore index the engine's cross_entropy primitives carry as an attribute.
+std::optional<int64_t> ignore_index_of(Primitive& p, const std::vector<int64_t>&, int64_t, DType) {
   const Attrs attrs = p.attrs();
-  if (auto it = attrs.find("ignore_index"); it != attrs.end()) return std::get<int64_t>(it->second);
-  if (op_ignores(p, -100, target_dtype)) return -100;
-  const std::set<int64_t> distinct(targets.begin(), targets.end());
-  for (const bool outside : {true, false})
-    for (int64_t v : distinct)
-      if ((v < 0 || v >= classes) == outside && op_ignores(p, v, target_dtype)) return v;
-  return std::nullopt;
+  auto it = attrs.find("ignore_index");
+  QUILT_CHECK(it != attrs.end(), "[loss_parallel] ", p.name(), " carries no ignore_index attribute");
+  return std::get<int64_t>(it->second);
 }
 
 std::vector<int64_t> host_targets(const Tensor& t) {

@@ -197,6 +197,11 @@ ParallelDims::ParallelDims(const DistributedConfig& config, int64_t world_size)
     dp_replicate_ = hsdp ? *c.dp_replicate_size : 1;
     dp_shard_ = dp / dp_replicate_;
   }
+  // FSDP2's int: parameters stay gathered over groups of N of the dp_shard * cp ranks.
+  if (const int64_t* n = std::get_if<int64_t>(&c.reshard_after_forward))
+    QUILT_CHECK(*n >= 1 && (dp_shard_ * c.cp_size) % *n == 0, "[distributed] reshard_after_forward ", *n,
+                " must divide the ranks FSDP shards over, dp_shard * cp_size = ", dp_shard_, " * ", c.cp_size, " = ",
+                dp_shard_ * c.cp_size, " (", factors(c), ")");
 
   QUILT_CHECK((dp * c.cp_size) % c.ep_size == 0, "[distributed] ep_size ", c.ep_size,
               " does not divide dp_size * cp_size = ", dp, " * ", c.cp_size, " = ", dp * c.cp_size,

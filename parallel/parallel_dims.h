@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "dtensor/mesh.h"
@@ -59,7 +60,8 @@ struct DistributedConfig {
   bool sequence_parallel = false;
   bool activation_checkpointing = false;
   std::string activation_checkpointing_mode = "full";  // full | selective (keeps matmul outputs)
-  bool reshard_after_forward = true;  // fsdp2: false gathers each block once and keeps it for backward
+  // fsdp2: false gathers each block once and keeps it for backward; N reshards to groups of N
+  std::variant<bool, int64_t> reshard_after_forward = true;
   bool defer_fsdp_grad_sync = true;
   PipelineConfig pipeline;
   MoeConfig moe;

@@ -23,6 +23,10 @@ quilt_trainer_test("fsdp 2 x tp 2 keeping gathered blocks, selective AC, bf16, f
   equivalence_bf16 fsdp2tp2keep 4 --set distributed.tp_size=2 --set distributed.reshard_after_forward=false
   --set distributed.activation_checkpointing=true --set distributed.activation_checkpointing_mode=selective)
 quilt_trainer_test("fsdp 4 follows the one-rank loss curve" equivalence fsdp4 4 --set distributed.strategy=fsdp2)
+quilt_trainer_test("fsdp 4 resharding to groups of 2 after forward follows the one-rank loss curve" equivalence fsdp4g2 4
+  --set distributed.reshard_after_forward=2)
+quilt_trainer_test("fsdp 2 x tp 2 reducing gradients in bf16 follows the one-rank bf16 curve" equivalence_bf16 fsdp2tp2rbf16 4
+  --set distributed.tp_size=2 --set train.reduce_dtype=bfloat16)
 quilt_trainer_test("hsdp 2x2 follows the one-rank loss curve" equivalence hsdp 4 --set distributed.strategy=fsdp2
   --set distributed.dp_replicate_size=2)
 quilt_trainer_test("tp 2 follows the one-rank loss curve" equivalence tp2 2 --set distributed.tp_size=2)
@@ -45,10 +49,13 @@ quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
 quilt_trainer_test("a non-finite loss or gradient skips the step on every rank" nonfinite)
 quilt_trainer_test("fsdp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit" resume_fsdp)
 quilt_trainer_test("saved under fsdp 4, resumed under fsdp 2 x tp 2, the curve continues; HF export" reshard)
-# Mixed-precision choices the trainer does not implement are refused, naming the key.
-add_test(NAME "trainer: an unsupported reduce dtype is refused, naming the key"
-  COMMAND sh -c "out=$(\"$0\" train --config \"$1\" --set train.param_dtype=bfloat16 --set train.reduce_dtype=bfloat16 2>&1); rc=$?; echo \"$out\"; \
-[ $rc -ne 0 ] && echo \"$out\" | grep -q 'train.reduce_dtype'"
+quilt_trainer_test("HF weights in, train.steps 0 export out, bit-identical under 1 rank, fsdp 4, fsdp 2 x tp 2, ddp 2; a contradicting field is named"
+  pretrained)
+# Mixed-precision choices a layout does not implement are refused, naming the key: ddp keeps
+# module outputs in the compute dtype (fsdp2 honours train.output_dtype).
+add_test(NAME "trainer: an output dtype ddp does not implement is refused, naming the key"
+  COMMAND sh -c "out=$(\"$0\" train --config \"$1\" --set distributed.strategy=ddp --set train.param_dtype=bfloat16 --set train.output_dtype=float32 2>&1); rc=$?; echo \"$out\"; \
+[ $rc -ne 0 ] && echo \"$out\" | grep -q 'train.output_dtype'"
   $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/llama_tiny.yaml)
 # A bad recipe stops `quilt train` before any rank does work, naming the key.
 add_test(NAME "trainer: a bad value stops train before work, naming the key"

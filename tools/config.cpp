@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <variant>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -330,6 +331,27 @@ struct Bool {
   Item write(bool v) const { return scalar(v ? "true" : "false"); }
 };
 
+// true, false, or a group size N >= 1 (FSDP2's reshard_after_forward).
+struct BoolOrSize {
+  using type = std::variant<bool, int64_t>;
+  void read(type& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    std::string s = n.IsScalar() ? n.Scalar() : "";
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    if (s == "true" || s == "yes" || s == "on") return void(out = true);
+    if (s == "false" || s == "no" || s == "off") return void(out = false);
+    if (!s.empty() && std::all_of(s.begin(), s.end(), [](unsigned char ch) { return std::isdigit(ch); })) {
+      const int64_t v = parse_number<int64_t>(c, n, k, "true, false or a group size");
+      QUILT_CHECK(v >= 1, "[config] ", k, " must be true, false or a group size >= 1, got ", v, c.where(k, n));
+      return void(out = v);
+    }
+    bad_type(c, k, n, "true, false or a group size");
+  }
+  Item write(const type& v) const {
+    if (const bool* b = std::get_if<bool>(&v)) return scalar(*b ? "true" : "false");
+    return scalar(std::to_string(std::get<int64_t>(v)));
+  }
+};
+
 struct Str {
   using type = std::string;
   const char* nonempty = nullptr;  // set: '' is rejected, this saying what is expected
@@ -516,7 +538,7 @@ const Table<DataConfig>& data_table() {
 const Table<TrainConfig>& train_table() {
   using T = TrainConfig;
   static const Table<T> t{{
-      field("steps", &T::steps, Int{1}, "optimizer steps"),
+      field("steps", &T::steps, Int{0}, "optimizer steps (0: only export, with checkpoint.save_consolidated)"),
       field("global_batch_size", &T::global_batch_size, Int{1}, "sequences per step over all data-parallel ranks"),
       field("micro_batch_size", &T::micro_batch_size, Int{1}, "sequences per rank per forward/backward"),
       field("seq_len", &T::seq_len, Int{1}, "tokens per sequence"),
@@ -589,7 +611,8 @@ const Table<DistributedConfig>& distributed_table() {
       field("activation_checkpointing", &D::activation_checkpointing, Bool{}, "recompute blocks in backward"),
       field("activation_checkpointing_mode", &D::activation_checkpointing_mode, Choice{{"full", "selective"}},
             "selective keeps matmul outputs"),
-      field("reshard_after_forward", &D::reshard_after_forward, Bool{}, "fsdp2: false keeps gathered blocks"),
+      field("reshard_after_forward", &D::reshard_after_forward, BoolOrSize{},
+            "fsdp2: false keeps gathered blocks; N reshards to groups of N ranks"),
       field("defer_fsdp_grad_sync", &D::defer_fsdp_grad_sync, Bool{}, "reduce gradients once per step"),
       field("pipeline", &D::pipeline, Sub<PipelineConfig>{pipeline_table}, "pipeline schedule"),
       field("moe", &D::moe, Sub<MoeConfig>{moe_table}, "mixture-of-experts wrapping"),
@@ -661,6 +684,10 @@ const Table<RecipeConfig>& recipe_table() {
       field("dist_env", &R::dist_env, Sub<DistEnvConfig>{dist_env_table}, "how ranks talk"),
       field("checkpoint", &R::checkpoint, Sub<CheckpointConfig>{checkpoint_table}, "sharded checkpoints"),
       field("logging", &R::logging, Sub<LoggingConfig>{logging_table}, "metrics lines and files"),
+  }, [](const RecipeConfig& r) {
+    QUILT_CHECK(r.train.steps > 0 || r.checkpoint.save_consolidated, "[config] train.steps is 0 but "
+                "checkpoint.save_consolidated is false: a run of no steps only exports the weights (set "
+                "checkpoint.save_consolidated: true and checkpoint.dir)");
   }};
   return t;
 }
@@ -725,6 +752,7 @@ RecipeConfig parse_tree(YAML::Node root, const std::vector<std::string>& overrid
   Section top(root, "", ctx);
   read_fields(recipe_table(), cfg, top);
   top.finish();
+  recipe_table().check(cfg);
 
   // Rules between sections that do not depend on the world size.
   const int64_t tok_vocab = make_tokenizer(cfg.data.tokenizer)->vocab_size();

@@ -17,6 +17,7 @@ namespace quilt {
 struct StepMetrics {
   int64_t step = 0;
   double loss = 0, grad_norm = 0, lr = 0, tps = 0, tflops = 0, mfu = 0, memory_gib = 0;
+  double gather_wait_s = -1;  // time this rank waited on FSDP all-gathers in the step (< 0: no FSDP)
   bool skipped = false;
 };
 

@@ -148,6 +148,7 @@ class CrossEntropy final : public Primitive {
  public:
   explicit CrossEntropy(int64_t ignore) : ignore_(ignore) {}
   const char* name() const override { return "cross_entropy"; }
+  Attrs attrs() const override { return {{"ignore_index", ignore_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor x = contiguous(in[0].detach());
     const Tensor t = contiguous(in[1].detach());
@@ -184,6 +185,7 @@ class CrossEntropyBackward final : public Primitive {
  public:
   explicit CrossEntropyBackward(int64_t ignore) : ignore_(ignore) {}
   const char* name() const override { return "cross_entropy_backward"; }
+  Attrs attrs() const override { return {{"ignore_index", ignore_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor x = contiguous(in[1].detach());
     const Tensor t = contiguous(in[2].detach());

@@ -1,6 +1,8 @@
 // How a Llama becomes a parallel program: see parallelize.h.
 #include "models/llama/parallelize.h"
 
+#include "parallel/mixed_precision.h"
+
 namespace quilt {
 
 TensorParallelPlan llama_tp_plan(bool sequence_parallel, bool loss_parallel) {
@@ -60,7 +62,7 @@ const std::vector<std::string>& llama_fp32_modules() {
   return names;
 }
 
-void parallelize_llama(LlamaForCausalLM& model, const Meshes& meshes, const DistributedConfig& dc,
+DataParallelism parallelize_llama(LlamaForCausalLM& model, const Meshes& meshes, const DistributedConfig& dc,
                        const LlamaParallelizeOptions& opts) {
   // The order matters, as in torchtitan:
   // 1. TP first: it replaces parameters by tp-distributed tensors (and installs the layout
@@ -80,12 +82,36 @@ void parallelize_llama(LlamaForCausalLM& model, const Meshes& meshes, const Dist
   if (dc.activation_checkpointing && !model.model->layers->empty())
     apply_ac(model, {.mode = parse_ac_mode(dc.activation_checkpointing_mode), .modules = {"model.layers.*"}});
 
-  // ==== data parallelism: the lead fills this call site ====
-  // fsdp2 / megatron_fsdp: fully_shard each decoder layer (and each llama_fp32_modules()
-  //   island as its own f32 unit) over meshes["dp_shard_cp"] (HSDP:
-  //   meshes.sub({"dp_replicate", "dp_shard_cp"})), then the root.
-  // ddp: replicate over meshes["dp"].
-  (void)meshes;
+  // 4. Data parallelism. fsdp2 (megatron_fsdp runs as fsdp2's sharding): each decoder layer
+  //    one unit, each norm its own f32 unit under mixed precision, then the root (embedding,
+  //    head), over dp_shard x cp (HSDP: replicated over dp_replicate). ddp: replicate over dp.
+  DataParallelism dp;
+  const bool mixed = opts.param_dtype && *opts.param_dtype != DType::f32;
+  if (dc.strategy == Strategy::kDdp) {
+    QUILT_CHECK(!opts.output_dtype || opts.output_dtype == opts.param_dtype, "[train.output_dtype] ddp keeps module "
+                "outputs in the compute dtype (train.param_dtype); use fsdp2 for another output dtype");
+    if (mixed) {
+      QUILT_CHECK(!model.config().tie_word_embeddings,
+                  "[train.param_dtype] ddp with mixed precision and tie_word_embeddings is not supported (use fsdp2)");
+      apply_mixed_precision(model, {.param_dtype = *opts.param_dtype});
+    }
+    if (meshes["dp"].size() > 1) dp.ddp = apply_ddp(model, meshes["dp"], {.reduce_dtype = opts.reduce_dtype});
+    return dp;
+  }
+  FSDPPolicy policy;
+  policy.param_dtype = opts.param_dtype;
+  policy.reduce_dtype = opts.reduce_dtype;
+  policy.output_dtype = opts.output_dtype;
+  policy.reshard_after_forward = dc.reshard_after_forward;
+  if (mixed) policy.fp32_modules = llama_fp32_modules();
+  // HSDP: a 2-D mesh cut from the main one (the tp axis of its parameters lies beside it).
+  DeviceMesh mesh = meshes["dp_shard_cp"];
+  if (meshes.size("dp_replicate") > 1)
+    mesh = meshes.size("cp") == 1 ? meshes.main.sub({"dp_replicate", "dp_shard"}) : meshes.sub({"dp_replicate", "dp_shard_cp"});
+  std::vector<std::string> units;
+  if (!model.model->layers->empty()) units.push_back("model.layers.*");
+  dp.fsdp = apply_fsdp(model, mesh, policy, units);
+  return dp;
 }
 
 }  // namespace quilt

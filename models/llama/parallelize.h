@@ -15,6 +15,7 @@
 
 #include "models/llama/llama.h"
 #include "parallel/activation_checkpoint.h"
+#include "parallel/data_parallel.h"
 #include "parallel/parallel_dims.h"
 #include "parallel/tensor_parallel.h"
 
@@ -42,11 +43,15 @@ const std::vector<std::string>& llama_fp32_modules();
 struct LlamaParallelizeOptions {
   /// Keep the logits vocab-sharded over tp for the loss (tp > 1).
   bool loss_parallel = true;
+  /// Mixed precision (FSDP's policy; DDP casts parameters per forward and reduces in f32):
+  /// compute dtype of parameters, dtype of gradient reductions, dtype of unit outputs.
+  std::optional<DType> param_dtype, reduce_dtype, output_dtype;
 };
 
 /// Applies the parallelisms `dc` asks for to `model` (weights already initialised or loaded:
-/// they must agree on every rank), over `meshes` from ParallelDims::build_meshes.
-void parallelize_llama(LlamaForCausalLM& model, const Meshes& meshes, const DistributedConfig& dc,
+/// they must agree on every rank), over `meshes` from ParallelDims::build_meshes, and returns
+/// the data parallelism a train step drives.
+DataParallelism parallelize_llama(LlamaForCausalLM& model, const Meshes& meshes, const DistributedConfig& dc,
                        const LlamaParallelizeOptions& opts = {});
 
 }  // namespace quilt

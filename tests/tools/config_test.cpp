@@ -124,8 +124,18 @@ TEST_CASE("config: unknown keys at every level name the dotted key and list the 
 }
 
 TEST_CASE("config: bad values name the key and the line") {
+  CHECK_THROWS_WITH_AS(parse(kMinimal + "train:\n  steps: -1\n"),
+                       "[config] train.steps must be >= 0, got -1 (test.yaml:3)", Error);
   CHECK_THROWS_WITH_AS(parse(kMinimal + "train:\n  steps: 0\n"),
-                       "[config] train.steps must be >= 1, got 0 (test.yaml:3)", Error);
+                       doctest::Contains("train.steps is 0 but checkpoint.save_consolidated is false"), Error);
+  CHECK(parse(kMinimal + "train: {steps: 0}\ncheckpoint: {dir: /tmp/x, save_consolidated: true}\n").train.steps == 0);
+  CHECK(std::get<int64_t>(parse(kMinimal, {"distributed.reshard_after_forward=2"}).distributed.reshard_after_forward) == 2);
+  CHECK(!std::get<bool>(parse(kMinimal, {"distributed.reshard_after_forward=false"}).distributed.reshard_after_forward));
+  CHECK_THROWS_WITH_AS(parse(kMinimal, {"distributed.reshard_after_forward=0"}),
+                       doctest::Contains("distributed.reshard_after_forward must be true, false or a group size >= 1"),
+                       Error);
+  CHECK_THROWS_WITH_AS(parse(kMinimal, {"distributed.reshard_after_forward=maybe"}),
+                       doctest::Contains("distributed.reshard_after_forward"), Error);
   CHECK_THROWS_WITH_AS(parse(kMinimal + "train: {lr: -1}\n"), doctest::Contains("train.lr must be > 0, got -1"), Error);
   CHECK_THROWS_WITH_AS(parse(kMinimal + "train: {steps: 2.5}\n"), doctest::Contains("expected an integer, got '2.5'"),
                        Error);

@@ -88,5 +88,30 @@ case "$mode" in
     grep -q "step skipped on every rank" "$work/blowup.log" || { cat "$work/blowup.log"; echo "no skip message"; exit 1; }
     grep -q '"skipped":true' "$work/blowup/metrics.jsonl" || { cat "$work/blowup/metrics.jsonl"; exit 1; }
     ;;
+  pretrained)
+    # Start from Hugging Face weights (model.pretrained): a 3-step run exports HF files; loading
+    # them with train.steps 0 and exporting again gives the same bytes in every layout, a
+    # fine-tuning run from them follows the one-rank curve, and a recipe field that contradicts
+    # config.json stops the run, naming the field.
+    run source 1 --set train.steps=3 --set "checkpoint.dir=$work/src" --set checkpoint.save_consolidated=true
+    hf=$work/src/hf
+    test -f "$hf/model.safetensors" -a -f "$hf/config.json" || { ls -R "$work/src"; exit 1; }
+    for layout in "one 1" "fsdp4 4 --set distributed.strategy=fsdp2" "fsdp2tp2 4 --set distributed.tp_size=2" \
+                  "ddp2 2 --set distributed.strategy=ddp"; do
+      set -- $layout; name=$1; np=$2; shift 2
+      run "rt_$name" "$np" --set train.steps=0 --set "model.pretrained=$hf" --set "checkpoint.dir=$work/rt_$name" \
+        --set checkpoint.save_consolidated=true "$@"
+      grep -q "model: weights from" "$work/rt_$name.log" || { cat "$work/rt_$name.log"; exit 1; }
+      cmp "$hf/model.safetensors" "$work/rt_$name/hf/model.safetensors" || { echo "round trip under $name differs"; exit 1; }
+    done
+    run ft_one 1 --set train.steps=4 --set "model.pretrained=$hf"
+    run ft_fsdp4 4 --set train.steps=4 --set "model.pretrained=$hf"
+    "$compare" "$work/ft_one/metrics.jsonl" "$work/ft_fsdp4/metrics.jsonl" 1e-4
+    if "${mpi[@]}" -n 2 "$quilt" train "${common[@]}" --set "model.pretrained=$hf" --set model.intermediate_size=96 \
+         > "$work/bad.log" 2>&1; then
+      cat "$work/bad.log"; echo "a contradicting recipe was accepted"; exit 1
+    fi
+    grep -q "model.intermediate_size" "$work/bad.log" || { cat "$work/bad.log"; echo "the field is not named"; exit 1; }
+    ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac

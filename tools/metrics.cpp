@@ -1,0 +1,58 @@
+// Step lines and metrics.jsonl: see metrics.h.
+#include "tools/metrics.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "collectives/launch.h"
+#include "engine/error.h"
+
+namespace quilt {
+namespace {
+
+std::string with_commas(double v) {
+  std::string s = std::to_string(static_cast<long long>(std::llround(v)));
+  for (int i = int(s.size()) - 3; i > 0; i -= 3) s.insert(size_t(i), ",");
+  return s;
+}
+
+}  // namespace
+
+double peak_tflops_per_rank() {
+  double peak = 0.25;
+  if (const char* s = std::getenv("QUILT_PEAK_TFLOPS")) peak = std::atof(s);
+  return peak / double(std::max(1, launch_info().local_size));
+}
+
+std::string step_line(const StepMetrics& m) {
+  char line[320];
+  int n = std::snprintf(line, sizeof line,
+                        "step: %lld  loss: %.4f  grad_norm: %.4f  memory: %.2fGiB  tps: %s  tflops: %.3f  mfu: %.2f%%",
+                        static_cast<long long>(m.step), m.loss, m.grad_norm, m.memory_gib, with_commas(m.tps).c_str(),
+                        m.tflops, m.mfu * 100);
+  if (m.gather_wait_s >= 0 && n > 0 && size_t(n) < sizeof line)
+    std::snprintf(line + n, sizeof line - size_t(n), "  gather_wait: %.1fms", m.gather_wait_s * 1e3);
+  return line;
+}
+
+MetricsLog::MetricsLog(const LoggingConfig& cfg, int rank) {
+  if (!cfg.dir || rank != 0) return;
+  std::filesystem::create_directories(*cfg.dir);
+  jsonl_.open((std::filesystem::path(*cfg.dir) / "metrics.jsonl").string(), std::ios::app);
+}
+
+void MetricsLog::step(const StepMetrics& m, bool print) {
+  if (print) log_line(step_line(m));
+  if (!jsonl_.is_open()) return;
+  nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"grad_norm", m.grad_norm}, {"lr", m.lr},
+                      {"tps", m.tps}, {"tflops", m.tflops}, {"mfu", m.mfu}, {"memory_gib", m.memory_gib}};
+  if (m.gather_wait_s >= 0) j["gather_wait_s"] = m.gather_wait_s;
+  if (m.skipped) j["skipped"] = true;
+  jsonl_ << j.dump() << "\n";
+  jsonl_.flush();
+}
+
+}  // namespace quilt

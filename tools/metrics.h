@@ -1,0 +1,33 @@
+// Step figures: the step line rank 0 prints and the metrics.jsonl record of every step.
+//
+//   MetricsLog log(cfg.logging, rank);
+//   log.step(metrics, /*print=*/true);    // "step: 10  loss: 2.3412  grad_norm: ..." + one JSON line
+#pragma once
+
+#include <fstream>
+#include <string>
+
+#include "tools/config.h"
+#include "tools/trainer.h"
+
+namespace quilt {
+
+/// Peak f32 throughput per rank for MFU: the measured BLAS ceiling of this kind of machine
+/// (docs/PERF.md) shared by the ranks of one host; QUILT_PEAK_TFLOPS overrides it.
+double peak_tflops_per_rank();
+
+/// "step: 10  loss: 2.3412  grad_norm: 0.5123  memory: 0.01GiB  tps: 12,345  tflops: 0.012  mfu: 4.80%".
+std::string step_line(const StepMetrics& m);
+
+/// Writes metrics.jsonl under logging.dir (rank 0) and prints step lines every logging.every_steps.
+class MetricsLog {
+ public:
+  MetricsLog(const LoggingConfig& cfg, int rank);
+  /// Records one step; prints its line when `print`.
+  void step(const StepMetrics& m, bool print);
+
+ private:
+  std::ofstream jsonl_;
+};
+
+}  // namespace quilt

@@ -1,0 +1,143 @@
+// Building a run: see run.h.
+#include "tools/run.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "collectives/launch.h"
+#include "kernels/cpu/matmul.h"
+#include "models/llama/parallelize.h"
+#include "parallel/mixed_precision.h"
+
+namespace quilt {
+namespace fs = std::filesystem;
+
+LlamaConfig llama_config(const ModelConfig& m) {
+  LlamaConfig c;
+  c.hidden_size = m.hidden_size;
+  c.intermediate_size = m.intermediate_size;
+  c.num_hidden_layers = m.num_hidden_layers;
+  c.num_attention_heads = m.num_attention_heads;
+  c.num_key_value_heads = m.kv_heads();
+  c.head_dim = m.head_dimension();
+  c.rms_norm_eps = m.rms_norm_eps;
+  c.rope_theta = m.rope_theta;
+  if (m.rope_parameters) {
+    RopeScaling s;
+    s.factor = m.rope_parameters->factor;
+    s.low_freq_factor = m.rope_parameters->low_freq_factor;
+    s.high_freq_factor = m.rope_parameters->high_freq_factor;
+    s.original_max_position_embeddings = m.rope_parameters->original_max_position_embeddings;
+    c.rope_scaling = s;
+  }
+  c.vocab_size = m.vocab_size;
+  c.tie_word_embeddings = m.tie_word_embeddings;
+  c.max_position_embeddings = m.max_position_embeddings;
+  c.initializer_range = m.initializer_range;
+  c.validate();
+  return c;
+}
+
+Run::Run(const RecipeConfig& c, int64_t world_size) : cfg(c), dims(check_recipe(c, world_size)) {}
+
+namespace {
+
+// model.pretrained: the HF directory must describe the recipe's model; every field that
+// disagrees is named before any weight is read.
+std::string pretrained_weights(const ModelConfig& m) {
+  const fs::path dir(*m.pretrained);
+  const fs::path config = dir / "config.json";
+  QUILT_CHECK(fs::exists(config), "[model.pretrained] ", dir.string(), " has no config.json");
+  std::ifstream in(config);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::vector<std::string> bad = model_config_mismatches(m, text.str());
+  if (!bad.empty()) {
+    std::string msg = "[model.pretrained] the recipe's model does not match " + config.string() + ":";
+    for (const std::string& b : bad) msg += "\n  " + b;
+    fail(msg);
+  }
+  for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
+    if (fs::exists(dir / name)) return (dir / name).string();
+  fail("[model.pretrained] ", dir.string(), " has neither model.safetensors nor model.safetensors.index.json");
+}
+
+std::unique_ptr<DataLoader> make_loader(const RecipeConfig& cfg, const std::string& path, int64_t dp_rank,
+                                        int64_t dp_size, bool shuffle) {
+  auto data = std::make_shared<const TokenDataset>(path, cfg.data.format);
+  data->check_vocab(cfg.model.vocab_size);
+  const TrainConfig& t = cfg.train;
+  return std::make_unique<DataLoader>(
+      data, LoaderOptions{.seq_len = t.seq_len, .global_batch_size = t.global_batch_size,
+                          .micro_batch_size = t.micro_batch_size, .dp_rank = dp_rank, .dp_size = dp_size,
+                          .seed = uint64_t(t.seed), .shuffle = shuffle});
+}
+
+}  // namespace
+
+std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
+  auto r = std::make_unique<Run>(cfg, world().size());
+  r->world = world_ptr();
+  r->world->set_timeout(std::chrono::milliseconds(int64_t(cfg.dist_env.timeout_s * 1000)));
+  r->dims.check_seq_len(cfg.train.seq_len);
+  log_line(r->dims.mesh_string());
+  // Ranks share the host's cores: each takes its share (OMP_NUM_THREADS, when set, decides).
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+    kernels::cpu::set_gemm_threads(std::max(1, cores / std::max(1, launch_info().local_size)));
+  }
+  r->meshes = r->dims.build_meshes(r->world);
+  const std::string weights = cfg.model.pretrained ? pretrained_weights(cfg.model) : "";
+
+  // Model: initialised the same on every rank (Philox keyed by name), then parallelized.
+  const TrainConfig& t = cfg.train;
+  r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
+  r->model->init_weights(uint64_t(t.seed));
+  LlamaParallelizeOptions popts;
+  popts.param_dtype = t.param_dtype;
+  popts.reduce_dtype = t.reduce_dtype;
+  popts.output_dtype = t.output_dtype;
+  r->dp = parallelize_llama(*r->model, r->meshes, cfg.distributed, popts);
+  // Pretrained weights go straight into whatever layout the plan made (each rank reads its shards).
+  if (!weights.empty()) {
+    load_hf_weights(*r->model, weights);
+    log_line("model: weights from ", weights);
+  }
+  r->params = r->model->parameters();
+  {
+    int64_t total = 0, mine = 0;
+    for (const Tensor& p : r->params) {
+      total += p.numel();
+      mine += p.local().numel();
+    }
+    // Parameters, gradients and AdamW's two moments, all f32: the state a layout divides.
+    log_line("parameters: ", total, " in all, ", mine, " on this rank (", (mine * 16) >> 10,
+             " KiB of parameters + gradients + optimizer state)");
+  }
+  // No weight decay on norms (1-D parameters), as is usual for Llama training.
+  std::vector<Tensor> decay, no_decay;
+  for (const Tensor& p : r->params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  std::vector<ParamGroup> groups{{decay, std::nullopt, t.weight_decay}, {no_decay, std::nullopt, 0.0}};
+  r->opt = std::make_unique<AdamW>(groups, AdamWOptions{.lr = t.lr, .beta1 = t.beta1, .beta2 = t.beta2, .eps = t.eps,
+                                                        .weight_decay = t.weight_decay});
+  r->sched = std::make_unique<LRSchedule>(LRSchedule::Options{
+      .max_lr = t.lr, .min_lr = t.min_lr, .init_lr = 0.0, .warmup_steps = t.warmup_steps,
+      .decay_steps = std::max(t.steps, t.warmup_steps + 1),  // short runs may end inside the warmup
+      .style = t.decay == Decay::kLinear ? LRDecayStyle::linear : LRDecayStyle::cosine});
+
+  const int64_t dp_rank = r->dims.dp_rank(r->world->rank());
+  r->loader = make_loader(cfg, cfg.data.path, dp_rank, r->dims.dp(), /*shuffle=*/true);
+  if (cfg.data.val_path) r->val_loader = make_loader(cfg, *cfg.data.val_path, dp_rank, r->dims.dp(), false);
+
+  // The step: losses averaged over the ranks that see different tokens (dp x cp).
+  LlamaForCausalLM* m = r->model.get();
+  r->step = std::make_unique<LocalTrainStep>(
+      [m](const Tensor& tokens, const Tensor& positions) { return (*m)(tokens, positions); },
+      StepHooks{.dp = r->dp, .defer_fsdp_grad_sync = cfg.distributed.defer_fsdp_grad_sync,
+                .loss_comm = r->meshes["dp_cp"].comm_ptr(0)});
+  return r;
+}
+
+}  // namespace quilt

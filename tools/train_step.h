@@ -1,0 +1,63 @@
+// TrainStep: one optimizer step's worth of forward and backward over the micro-batches a
+// data-parallel rank reads, leaving each parameter's .grad averaged over every rank that saw
+// different tokens. The trainer calls run(), then clips and steps the optimizer; a pipeline
+// schedule is another TrainStep.
+//
+//   LocalTrainStep step(forward, {.dp = parallelize_llama(...), .loss_comm = meshes["dp_cp"].comm_ptr(0)});
+//   double loss = step.run(loader.next_step());   // the global mean loss of the step
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "engine/nn/module.h"
+#include "parallel/data_parallel.h"
+#include "tools/data.h"
+
+namespace quilt {
+
+/// The loss of a causal language model: mean next-token cross entropy of logits (B, T, V) —
+/// vocab-sharded logits too, which cross entropy reduces without gathering — against targets
+/// (B, T), computed in f32.
+Tensor causal_lm_loss(const Tensor& logits, const Tensor& targets);
+
+/// Positions 0..T-1 of every sequence of a (B, T) batch, as (B, T) i64.
+Tensor default_positions(const Tensor& tokens);
+
+class TrainStep {
+ public:
+  virtual ~TrainStep() = default;
+  /// Forward and backward of every micro-batch (gradients accumulated and synchronised once);
+  /// returns the mean loss over micro-batches and data-parallel ranks.
+  virtual double run(const std::vector<Batch>& micro_batches) = 0;
+  /// The mean loss of the batches without gradients (validation).
+  virtual double evaluate(const std::vector<Batch>& micro_batches) = 0;
+};
+
+/// What parallelize_* left on a model that a step must drive.
+struct StepHooks {
+  DataParallelism dp;                       // FSDP or DDP, if the plan applied one
+  bool defer_fsdp_grad_sync = true;         // FSDP: reduce once, at the last micro-batch
+  std::shared_ptr<Communicator> loss_comm;  // ranks whose losses are averaged (dp x cp); null: none
+};
+
+/// A model's forward: tokens (B, T) and positions (B, T) -> logits (B, T, V).
+using LMForward = std::function<Tensor(const Tensor& tokens, const Tensor& positions)>;
+
+/// The step of a model that runs whole on this rank (no pipeline): micro-batches in turn.
+class LocalTrainStep : public TrainStep {
+ public:
+  LocalTrainStep(LMForward forward, StepHooks hooks) : forward_(std::move(forward)), hooks_(std::move(hooks)) {}
+  double run(const std::vector<Batch>& micro_batches) override;
+  double evaluate(const std::vector<Batch>& micro_batches) override;
+
+ private:
+  Tensor loss_of(const Batch& b);
+  double global_mean(double local_sum, size_t count);
+  LMForward forward_;
+  StepHooks hooks_;
+};
+
+}  // namespace quilt
