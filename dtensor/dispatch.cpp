@@ -4,6 +4,8 @@
 // handlers that come before the rule table.
 #include "dtensor/dispatch.h"
 
+#include "engine/nn/module.h"
+
 #include <algorithm>
 #include <iostream>
 #include <map>
@@ -459,6 +461,11 @@ void ensure_dtensor_dispatch() {
     set_distributed_dispatch(dispatch);
     set_distributed_zeros(dist_zeros);
     set_dist_spec_equal([](const DistSpec& a, const DistSpec& b) { return a == b; });
+    // Random initialisers fill a shard with the values its full tensor has there.
+    init::set_global_view_resolver([](const Tensor& t) {
+      const DistSpec& s = *t.dist_spec();
+      return GlobalView{s.shape, s.local_offset()};
+    });
   });
 }
 

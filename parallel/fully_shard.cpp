@@ -213,14 +213,16 @@ void FSDPUnit::build(const std::set<const TensorImpl*>& skip) {
   }
   NoGradGuard ng;
   sharded_flat_ = zeros({segment_}, {.dtype = master_dtype_, .device = params_[0].sharded.device()});
-  full_flat_ = empty({full_numel_}, {.dtype = compute_dtype_, .device = sharded_flat_.device()});
+  // The gathered parameters' buffer starts without memory: it is allocated per gather.
+  full_flat_ = Tensor::from_storage(Storage::allocate(0, sharded_flat_.device()), {full_numel_}, {1}, 0, compute_dtype_);
   for (Param& p : params_) {
     const Tensor local = p.sharded.local();
     const int64_t my_rows = p.rank_rows[size_t(me_)];
     Shape shard_shape = p.full_shape;
     shard_shape[0] = my_rows;
     Tensor view = sharded_flat_.narrow(0, p.seg_offset, my_rows * p.row).view(shard_shape);
-    if (my_rows > 0) view.copy_(local.narrow(0, p.rank_start[size_t(me_)], my_rows));
+    // A parameter built under DeferredInitGuard has no values yet: init_weights fills the shard.
+    if (my_rows > 0 && !is_deferred(p.sharded)) view.copy_(local.narrow(0, p.rank_start[size_t(me_)], my_rows));
     // The sharded leaf: a DTensor on the FSDP mesh (or on tp axes + FSDP axes).
     DeviceMesh pm = mesh_;
     Placements pl;
@@ -245,7 +247,6 @@ void FSDPUnit::build(const std::set<const TensorImpl*>& skip) {
     p.unsharded = unsharded;
     if (p.requires_grad) ++grad_params_;
   }
-  full_flat_.storage().resize_(0);
   install(false);
 }
 

@@ -2,6 +2,7 @@
 #include "tools/run.h"
 
 #include <filesystem>
+#include <optional>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -91,15 +92,32 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   r->meshes = r->dims.build_meshes(r->world);
   const std::string weights = cfg.model.pretrained ? pretrained_weights(cfg.model) : "";
 
-  // Model: initialised the same on every rank (Philox keyed by name), then parallelized.
+  // Model: the same values on every rank (Philox keyed by name and global index). Under FSDP
+  // without TP it is built without storage and each rank materialises only its own shards,
+  // initialised after sharding; otherwise it is initialised whole, then parallelized.
   const TrainConfig& t = cfg.train;
-  r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
-  r->model->init_weights(uint64_t(t.seed));
+  const bool deferred = cfg.distributed.strategy != Strategy::kDdp && r->dims.tp() == 1;
+  const int64_t before = cpu_memory_stats().allocated;
+  reset_cpu_peak_memory();
+  {
+    std::optional<DeferredInitGuard> guard;
+    if (deferred) guard.emplace();
+    r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
+  }
+  if (!deferred) r->model->init_weights(uint64_t(t.seed));
   LlamaParallelizeOptions popts;
   popts.param_dtype = t.param_dtype;
   popts.reduce_dtype = t.reduce_dtype;
   popts.output_dtype = t.output_dtype;
   r->dp = parallelize_llama(*r->model, r->meshes, cfg.distributed, popts);
+  if (deferred) r->model->init_weights(uint64_t(t.seed));
+  {
+    int64_t full_bytes = 0;
+    for (const Tensor& p : r->model->parameters()) full_bytes += p.numel() * int64_t(dtype_size(p.dtype()));
+    log_line("model: ", deferred ? "built without storage, each rank initialised its shards" : "initialised whole",
+             "; host memory peak while building: ", (cpu_memory_stats().peak_allocated - before) >> 10,
+             " KiB (full parameters: ", full_bytes >> 10, " KiB)");
+  }
   // Pretrained weights go straight into whatever layout the plan made (each rank reads its shards).
   if (!weights.empty()) {
     load_hf_weights(*r->model, weights);

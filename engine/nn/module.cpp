@@ -69,7 +69,7 @@ void uniform_(Tensor& t, RngKey key, double low, double high) {
 
 void constant_(Tensor& t, double value) {
   NoGradGuard ng;
-  t.fill_(value);
+  t.local().fill_(value);  // every element of a shard is an element of the full tensor
 }
 
 void set_global_view_resolver(GlobalViewResolver fn) { resolver() = std::move(fn); }
@@ -126,8 +126,19 @@ void Module::check_new_name(const std::string& name, const char* what) const {
   QUILT_CHECK(!dup, "[", type_name_, "] cannot register ", what, " '", name, "': the name is already taken");
 }
 
+namespace {
+thread_local bool t_deferred_init = false;
+}  // namespace
+
+DeferredInitGuard::DeferredInitGuard() : prev_(t_deferred_init) { t_deferred_init = true; }
+DeferredInitGuard::~DeferredInitGuard() { t_deferred_init = prev_; }
+bool deferred_init_enabled() { return t_deferred_init; }
+bool is_deferred(const Tensor& t) { return t.defined() && !t.local().storage().defined(); }
+
 Tensor& Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
   check_new_name(name, "parameter");
+  if (value.defined() && t_deferred_init && !value.is_distributed())
+    value = Tensor::from_storage(Storage(), value.shape(), contiguous_strides(value.shape()), 0, value.dtype());
   if (value.defined()) {
     if (!value.is_leaf()) value = value.detach();
     value.set_requires_grad(requires_grad);
@@ -312,6 +323,8 @@ void Module::init_weights(uint64_t seed) {
   std::unordered_set<const TensorImpl*> done;  // a tied tensor is initialised once, by its first name
   visit_slots(false, "", true, [&](Module& owner, const Slot& slot, const std::string& full, Tensor& v) {
     if (!v.defined() || !done.insert(v.unsafe_impl()).second) return;
+    QUILT_CHECK(!is_deferred(v), "[init_weights] parameter '", full, "' has no storage (built under DeferredInitGuard): "
+                "shard the model with fully_shard first, then initialise it");
     v.set_name(full);
     NoGradGuard ng;
     owner.reset_parameter(slot.name, v, RngKey(seed, full));

@@ -134,6 +134,25 @@ using GlobalViewResolver = std::function<GlobalView(const Tensor& t)>;
 void set_global_view_resolver(GlobalViewResolver fn);
 }  // namespace init
 
+/// RAII: while alive on this thread, modules register parameters without storage (shape,
+/// dtype and name only). A model too big for one rank is built this way, sharded by
+/// fully_shard (which allocates only this rank's shards), and then initialised with
+/// init_weights, which fills each shard with exactly the values the full tensor has there.
+class DeferredInitGuard {
+ public:
+  DeferredInitGuard();
+  ~DeferredInitGuard();
+  DeferredInitGuard(const DeferredInitGuard&) = delete;
+  DeferredInitGuard& operator=(const DeferredInitGuard&) = delete;
+
+ private:
+  bool prev_;
+};
+/// True inside a DeferredInitGuard on this thread.
+bool deferred_init_enabled();
+/// True when `t` (or its local shard) has no storage: a parameter registered under DeferredInitGuard.
+bool is_deferred(const Tensor& t);
+
 /// Base of every layer and model. Not copyable; hold modules by std::shared_ptr.
 class Module {
  public:

@@ -407,3 +407,27 @@ TEST_CASE("fully_shard: bad reshard sizes and meshes are refused by name") {
     CHECK_THROWS_WITH(fully_shard(*net, mesh, ig), doctest::Contains("ignored parameter 'nope.weight'"));
   });
 }
+
+TEST_CASE("fully_shard: a model built without storage gets, shard by shard, the one-rank initial values") {
+  auto eager = make_net();
+  std::map<std::string, Tensor> want;
+  for (auto& [name, p] : eager->named_parameters()) want[name] = p;
+  run_threads_group(3, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {3}, {"dp_shard"});
+    std::shared_ptr<Net> net;
+    {
+      DeferredInitGuard deferred;
+      net = std::make_shared<Net>(kDim, 3);
+    }
+    for (auto& [name, p] : net->named_parameters()) CHECK_MESSAGE(is_deferred(p), name);
+    CHECK_THROWS_WITH(net->init_weights(5), doctest::Contains("has no storage (built under DeferredInitGuard)"));
+    auto root = shard_net(*net, mesh);
+    net->init_weights(5);
+    for (auto& [name, p] : net->named_parameters()) {
+      CHECK_FALSE(is_deferred(p));
+      CHECK_MESSAGE(full_tensor(p).to_vector() == want.at(name).to_vector(), name);
+    }
+    loss_of((*net)(batch_of(c.rank()))).backward();
+    root->finish_backward();
+  });
+}

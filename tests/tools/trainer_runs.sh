@@ -113,5 +113,21 @@ case "$mode" in
     fi
     grep -q "model.intermediate_size" "$work/bad.log" || { cat "$work/bad.log"; echo "the field is not named"; exit 1; }
     ;;
+  deferred_init)
+    # Under fsdp2 each rank materialises only its shards: the host memory a rank allocates while
+    # building and initialising a 13 MB model stays under half of it at 4 ranks, while ddp
+    # (which builds the whole model) needs all of it.
+    big=(--set model.hidden_size=256 --set model.intermediate_size=688 --set model.num_hidden_layers=4
+         --set train.steps=2)
+    run deferred 4 "${big[@]}" --set distributed.strategy=fsdp2
+    run eager 2 "${big[@]}" --set distributed.strategy=ddp
+    for name in deferred eager; do
+      line=$(grep "host memory peak while building" "$work/$name.log") || { cat "$work/$name.log"; exit 1; }
+      peak=$(echo "$line" | sed 's/.*building: \([0-9]*\) KiB.*/\1/'); full=$(echo "$line" | sed 's/.*parameters: \([0-9]*\) KiB.*/\1/')
+      echo "$name: peak $peak KiB while building, full parameters $full KiB"
+      if [ "$name" = deferred ]; then [ "$peak" -lt $((full / 2)) ] || { echo "deferred init materialised too much"; exit 1; }
+      else [ "$peak" -ge "$full" ] || { echo "the eager build should hold the whole model"; exit 1; }; fi
+    done
+    ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
