@@ -431,3 +431,33 @@ TEST_CASE("fully_shard: a model built without storage gets, shard by shard, the 
     root->finish_backward();
   });
 }
+
+TEST_CASE("fully_shard: ignored parameters keep their layout and stay out of the unit's gathers") {
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    auto net = make_net(1);
+    FSDPPolicy policy;
+    policy.ignored_params = {"fc2.weight"};
+    Block& b = net->block(0);
+    auto unit = fully_shard(b, mesh, policy);
+    const std::vector<std::string> names = unit->param_names();
+    CHECK(std::find(names.begin(), names.end(), "blocks.0.fc2.weight") == names.end());
+    CHECK(std::find(names.begin(), names.end(), "blocks.0.fc1.weight") != names.end());
+    CHECK_FALSE(b.fc2->weight().is_distributed());  // as it was
+    CHECK(b.fc1->weight().is_distributed());
+    Recorder rec;
+    {
+      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+        rec.ops.push_back(r);
+        return kNoDelay;
+      });
+      loss_of(b(batch_of(c.rank()))).backward();
+      unit->finish_backward();
+    }
+    // One gather of the unit's segment: fc1 (5, 7) -> 3 rows of 7, the norm (7) -> 4 per rank.
+    REQUIRE(rec.count("all_gather") >= 1);
+    CHECK(rec.ops[0].shape == Shape{3 * 7 + 4});
+    CHECK(b.fc2->weight().grad().defined());  // its gradient is left where autograd put it
+    CHECK_FALSE(b.fc2->weight().grad().is_distributed());
+  });
+}
