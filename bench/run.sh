@@ -14,3 +14,5 @@ for np in 2 4; do
   mpiexec -n "$np" --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 --mca mpi_yield_when_idle 1 \
     "$build/bench/collectives_bench" --benchmark_min_time=0.05 --max_bytes=16777216
 done
+echo "== trainer layouts (fsdp2 vs ddp at 4 ranks, memory vs one rank)"
+bash "$(dirname "$0")/parallel/layouts.sh" "$build"
