@@ -91,10 +91,15 @@ void check_grads_match(Net& net, const std::map<std::string, Tensor>& ref, doubl
   }
 }
 
-// Every collective this rank issues, in order.
+// Every collective this rank issues, in order, while a watch() is alive.
 struct Recorder {
   std::vector<CollectiveRecord> ops;
-  std::mutex mu;
+  std::unique_ptr<ScopedCollectiveObserver> watch() {
+    return std::make_unique<ScopedCollectiveObserver>([this](const CollectiveRecord& r) {
+      ops.push_back(r);
+      return kNoDelay;
+    });
+  }
   size_t count(const std::string& op) {
     size_t n = 0;
     for (auto& r : ops) n += r.op == op;
@@ -115,10 +120,7 @@ TEST_CASE("fully_shard: one all-gather per unit in forward and in backward, one 
       REQUIRE(root->num_units() == 4);
       Recorder rec;
       {
-        ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
-          rec.ops.push_back(r);
-          return kNoDelay;
-        });
+        auto watching = rec.watch();
         loss_of((*net)(batch_of(c.rank()))).backward();
         root->finish_backward();
       }
@@ -132,10 +134,7 @@ TEST_CASE("fully_shard: one all-gather per unit in forward and in backward, one 
       // A second step costs the same.
       rec.ops.clear();
       {
-        ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
-          rec.ops.push_back(r);
-          return kNoDelay;
-        });
+        auto watching = rec.watch();
         loss_of((*net)(batch_of(c.rank()))).backward();
         root->finish_backward();
       }
@@ -255,10 +254,7 @@ TEST_CASE("fully_shard: deferred sync accumulates micro-batches and reduces once
     auto net = make_net();
     auto root = shard_net(*net, mesh);
     Recorder rec;
-    ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
-      rec.ops.push_back(r);
-      return kNoDelay;
-    });
+    auto watching = rec.watch();
     for (int m = 0; m < 2; ++m) {
       root->set_requires_gradient_sync(m == 1);
       (loss_of((*net)(batch_of(10 * m + c.rank()))) * 0.5).backward();
@@ -279,10 +275,7 @@ TEST_CASE("fully_shard: reduce_dtype bf16 reduce-scatters in bf16; param_dtype b
     auto root = shard_net(*net, mesh, policy);
     Recorder rec;
     {
-      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
-        rec.ops.push_back(r);
-        return kNoDelay;
-      });
+      auto watching = rec.watch();
       loss_of((*net)(batch_of(c.rank()))).backward();
       root->finish_backward();
     }
@@ -302,10 +295,7 @@ TEST_CASE("fully_shard: reduce_dtype bf16 reduce-scatters in bf16; param_dtype b
     auto root = shard_net(*net, mesh, policy);
     Recorder rec;
     {
-      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
-        rec.ops.push_back(r);
-        return kNoDelay;
-      });
+      auto watching = rec.watch();
       loss_of(cast((*net)(batch_of(c.rank())), DType::f32)).backward();
       root->finish_backward();
     }
@@ -335,10 +325,7 @@ TEST_CASE("fully_shard: an fp32 island is its own unit in f32 while its block ga
         [&](Module&, const std::vector<Tensor>&, std::vector<Tensor>& out) { block_out = out[0].dtype(); });
     Recorder rec;
     {
-      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
-        rec.ops.push_back(r);
-        return kNoDelay;
-      });
+      auto watching = rec.watch();
       loss_of(cast((*net)(batch_of(c.rank())), DType::f32)).backward();
       root->finish_backward();
     }
@@ -375,10 +362,7 @@ TEST_CASE("fully_shard: HSDP 2x2 and reshard to groups of 2 give the one-rank gr
     auto root = shard_net(*net, mesh, policy);
     Recorder rec;
     {
-      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
-        rec.ops.push_back(r);
-        return kNoDelay;
-      });
+      auto watching = rec.watch();
       loss_of((*net)(batch_of(c.rank()))).backward();
       root->finish_backward();
     }
@@ -447,10 +431,7 @@ TEST_CASE("fully_shard: ignored parameters keep their layout and stay out of the
     CHECK(b.fc1->weight().is_distributed());
     Recorder rec;
     {
-      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
-        rec.ops.push_back(r);
-        return kNoDelay;
-      });
+      auto watching = rec.watch();
       loss_of(b(batch_of(c.rank()))).backward();
       unit->finish_backward();
     }
