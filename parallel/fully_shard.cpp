@@ -149,6 +149,19 @@ class FSDPUnit : public std::enable_shared_from_this<FSDPUnit> {
     Tensor out, in;
   };
   std::vector<Pending> pending_;
+  // The root's record of the newest reduce-scatter of any unit below it: the next one waits
+  // for it first, so one reduce-scatter input (a unit's full gradients) is alive at a time
+  // beyond the one being filled, not every unit's until finish().
+  struct InFlight {
+    FSDPUnit* unit = nullptr;
+    size_t index = 0;
+  };
+  InFlight inflight_;
+  FSDPUnit* root() {
+    FSDPUnit* u = this;
+    while (u->parent_) u = u->parent_;
+    return u;
+  }
   FSDPUnitStats stats_;
 };
 
@@ -386,9 +399,17 @@ void FSDPUnit::launch_reduce(bool fill_missing) {
     p.unsharded.set_grad(Tensor());
   }
   Tensor out = empty({segment_}, {.dtype = reduce_dtype_, .device = sharded_flat_.device()});
+  // The previous unit's reduce-scatter had this unit's whole backward to finish.
+  FSDPUnit* r = root();
+  if (r->inflight_.unit) {
+    Pending& prev = r->inflight_.unit->pending_[r->inflight_.index];
+    prev.work.wait();
+    prev.in = Tensor();
+  }
   ++stats_.reduce_scatters;
   Work w = shard_comm_->reduce_scatter(out, in, ReduceOp::avg, /*async_op=*/true);
   pending_.push_back({std::move(w), out, in});
+  r->inflight_ = {this, pending_.size() - 1};
 }
 
 void FSDPUnit::finish() {
@@ -415,6 +436,8 @@ void FSDPUnit::finish() {
     }
   }
   pending_.clear();
+  FSDPUnit* r = root();
+  if (r->inflight_.unit == this) r->inflight_ = {};
 }
 
 void FSDPUnit::install_hooks() {
