@@ -145,8 +145,9 @@ class FSDPUnit : public std::enable_shared_from_this<FSDPUnit> {
   bool backward_started_ = false;
   size_t grads_ready_ = 0, grad_params_ = 0;
   struct Pending {
-    Work work;
+    Work work;      // the reduce-scatter, then (HSDP) the all-reduce over the replicas
     Tensor out, in;
+    bool replicated = false;  // the all-reduce has been issued
   };
   std::vector<Pending> pending_;
   // The root's record of the newest reduce-scatter of any unit below it: the next one waits
@@ -400,11 +401,17 @@ void FSDPUnit::launch_reduce(bool fill_missing) {
   }
   Tensor out = empty({segment_}, {.dtype = reduce_dtype_, .device = sharded_flat_.device()});
   // The previous unit's reduce-scatter had this unit's whole backward to finish.
+  // HSDP: its all-reduce over the replicas follows at once, overlapping this unit's own.
   FSDPUnit* r = root();
   if (r->inflight_.unit) {
-    Pending& prev = r->inflight_.unit->pending_[r->inflight_.index];
+    FSDPUnit* u = r->inflight_.unit;
+    Pending& prev = u->pending_[r->inflight_.index];
     prev.work.wait();
     prev.in = Tensor();
+    if (u->replicate_comm_ && u->replicate_comm_->size() > 1) {
+      prev.work = u->replicate_comm_->all_reduce(prev.out, ReduceOp::avg, /*async_op=*/true);
+      prev.replicated = true;
+    }
   }
   ++stats_.reduce_scatters;
   Work w = shard_comm_->reduce_scatter(out, in, ReduceOp::avg, /*async_op=*/true);
@@ -417,10 +424,13 @@ void FSDPUnit::finish() {
   if (sync_) launch_reduce(true);  // gradients that arrived for only some parameters
   reshard(false);  // a root after a forward without backward, or a unit some gradients missed
   for (Pending& pd : pending_) {
+    if (pd.replicated) continue;
     pd.work.wait();
     pd.in = Tensor();
-    if (replicate_comm_ && replicate_comm_->size() > 1) pd.work = replicate_comm_->all_reduce(pd.out, ReduceOp::avg, true);
-    else pd.work = Work();
+    if (replicate_comm_ && replicate_comm_->size() > 1) {
+      pd.work = replicate_comm_->all_reduce(pd.out, ReduceOp::avg, true);
+      pd.replicated = true;
+    }
   }
   for (Pending& pd : pending_) {
     pd.work.wait();

@@ -1,6 +1,8 @@
 // Tensor parallelism by plan: see tensor_parallel.h.
 #include "parallel/tensor_parallel.h"
 
+#include "dtensor/dist_spec.h"
+
 #include "dtensor/dtensor.h"
 #include "engine/autograd.h"
 #include "engine/nn/layers.h"
@@ -48,7 +50,13 @@ void distribute_param(Module& m, const std::string& module_name, const std::stri
   QUILT_CHECK(!p.is_distributed(), "[apply_tp] ", shown(module_name), ".", local_name, " is already distributed (",
               mesh_of(p).str(), "); apply tensor parallelism once, before data parallelism");
   Tensor d;
-  {
+  if (is_deferred(p)) {
+    // Built under DeferredInitGuard: the shard stays without storage until FSDP allocates it.
+    auto spec = std::make_shared<const DistSpec>(mesh, Placements{on_tp(placement)}, p.shape());
+    const Shape local = spec->local_shape();
+    d = Tensor::make_distributed(Tensor::from_storage(Storage(), local, contiguous_strides(local), 0, p.dtype()), spec,
+                                 p.shape());
+  } else {
     NoGradGuard ng;
     d = distribute_tensor(p.detach(), mesh, on_tp(placement)).detach();
   }

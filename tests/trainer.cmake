@@ -51,7 +51,7 @@ quilt_trainer_test("fsdp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit"
 quilt_trainer_test("saved under fsdp 4, resumed under fsdp 2 x tp 2, the curve continues; HF export" reshard)
 quilt_trainer_test("HF weights in, train.steps 0 export out, bit-identical under 1 rank, fsdp 4, fsdp 2 x tp 2, ddp 2; a contradicting field is named"
   pretrained)
-quilt_trainer_test("fsdp 4 builds the model without storage: each rank allocates only its shards" deferred_init)
+quilt_trainer_test("fsdp 4 and fsdp 2 x tp 2 build the model without storage: each rank allocates only its shards" deferred_init)
 # Mixed-precision choices a layout does not implement are refused, naming the key: ddp keeps
 # module outputs in the compute dtype (fsdp2 honours train.output_dtype).
 add_test(NAME "trainer: an output dtype ddp does not implement is refused, naming the key"

@@ -93,10 +93,10 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   const std::string weights = cfg.model.pretrained ? pretrained_weights(cfg.model) : "";
 
   // Model: the same values on every rank (Philox keyed by name and global index). Under FSDP
-  // without TP it is built without storage and each rank materialises only its own shards,
-  // initialised after sharding; otherwise it is initialised whole, then parallelized.
+  // it is built without storage and each rank materialises only its own shards, initialised
+  // after sharding; under DDP it is initialised whole, then replicated.
   const TrainConfig& t = cfg.train;
-  const bool deferred = cfg.distributed.strategy != Strategy::kDdp && r->dims.tp() == 1;
+  const bool deferred = cfg.distributed.strategy != Strategy::kDdp;
   const int64_t before = cpu_memory_stats().allocated;
   reset_cpu_peak_memory();
   {
