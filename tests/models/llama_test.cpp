@@ -8,27 +8,13 @@
 
 #include "engine/engine.h"
 #include "models/llama/llama.h"
+#include "tests/parallel/tiny_llama.h"
 
 using namespace quilt;
 
-namespace {
-LlamaConfig tiny(bool tie = false) {
-  LlamaConfig c;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.vocab_size = 50;
-  c.max_position_embeddings = 64;
-  c.tie_word_embeddings = tie;
-  return c;
-}
-}  // namespace
 
 TEST_CASE("llama: parameters carry HF names and shapes") {
-  LlamaForCausalLM m(tiny());
+  LlamaForCausalLM m(test::tiny_llama());
   std::set<std::string> names;
   for (auto& [n, p] : m.named_parameters()) names.insert(n);
   for (const char* n : {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
@@ -40,12 +26,12 @@ TEST_CASE("llama: parameters carry HF names and shapes") {
     CHECK_MESSAGE(names.count(n) == 1, n);
   CHECK(names.size() == 2 * 9 + 3);
   CHECK(m.parameter("model.layers.0.self_attn.k_proj.weight").shape() == Shape{16, 32});  // 2 kv heads x 8
-  LlamaForCausalLM tied(tiny(true));
+  LlamaForCausalLM tied(test::tiny_llama(true));
   CHECK_FALSE(tied.has_parameter("lm_head.weight"));
 }
 
 TEST_CASE("llama: config.json round-trips, with llama3 rope scaling, and bad shapes are named") {
-  LlamaConfig c = tiny();
+  LlamaConfig c = test::tiny_llama();
   c.rope_scaling = RopeScaling{8.0, 1.0, 4.0, 32};
   LlamaConfig d = LlamaConfig::from_json(c.to_json());
   CHECK(d.to_json() == c.to_json());
@@ -54,14 +40,14 @@ TEST_CASE("llama: config.json round-trips, with llama3 rope scaling, and bad sha
                        doctest::Contains("num_attention_heads=4 must be a positive multiple of num_key_value_heads=3"), Error);
   CHECK_THROWS_WITH_AS(LlamaConfig::from_json("{"), doctest::Contains("[llama config] config.json is not valid JSON"), Error);
   // llama3 scaling slows the low frequencies only.
-  auto [c0, s0] = rope_tables(tiny(), 40);
+  auto [c0, s0] = rope_tables(test::tiny_llama(), 40);
   auto [c1, s1] = rope_tables(c, 40);
   CHECK(c0.select(0, 39).to_vector()[0] == c1.select(0, 39).to_vector()[0]);   // highest frequency kept
   CHECK(c0.select(0, 39).to_vector()[3] != c1.select(0, 39).to_vector()[3]);   // lowest one scaled
 }
 
 TEST_CASE("llama: logits are causal and of shape (B, T, V)") {
-  LlamaForCausalLM m(tiny());
+  LlamaForCausalLM m(test::tiny_llama());
   m.init_weights(3);
   Tensor tok = randint(0, 50, {2, 7}, RngKey(1, "tok"));
   Tensor logits = m.forward(tok);
@@ -76,7 +62,7 @@ TEST_CASE("llama: logits are causal and of shape (B, T, V)") {
 
 TEST_CASE("llama: HF-named weights saved from one model load into another") {
   const auto path = std::filesystem::temp_directory_path() / ("quilt_llama_" + std::to_string(::getpid()) + ".safetensors");
-  LlamaForCausalLM a(tiny()), b(tiny());
+  LlamaForCausalLM a(test::tiny_llama()), b(test::tiny_llama());
   a.init_weights(1);
   b.init_weights(2);
   std::vector<std::pair<std::string, Tensor>> w;
@@ -90,7 +76,7 @@ TEST_CASE("llama: HF-named weights saved from one model load into another") {
 }
 
 TEST_CASE("llama: a few AdamW steps on a repeated batch drive the loss down") {
-  LlamaForCausalLM m(tiny());
+  LlamaForCausalLM m(test::tiny_llama());
   m.init_weights(4);
   AdamW opt(m.parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0.0});
   Tensor x = randint(0, 50, {2, 16}, RngKey(5, "x")), y = randint(0, 50, {2, 16}, RngKey(5, "y"));
@@ -110,7 +96,7 @@ TEST_CASE("llama: a few AdamW steps on a repeated batch drive the loss down") {
 
 namespace {
 LlamaConfig four_layers() {
-  LlamaConfig c = tiny();
+  LlamaConfig c = test::tiny_llama();
   c.num_hidden_layers = 4;
   return c;
 }
@@ -155,7 +141,7 @@ TEST_CASE("llama: stage 0 (embedding + layers 0..1) into stage 1 (layers 2..3 + 
 }
 
 TEST_CASE("llama: explicit positions 0..T-1, as (T) or (B, T), give the implicit positions' logits") {
-  LlamaForCausalLM m(tiny());
+  LlamaForCausalLM m(test::tiny_llama());
   m.init_weights(5);
   Tensor tok = randint(0, 50, {2, 7}, RngKey(4, "tok"));
   const std::vector<double> implicit = m.forward(tok).to_vector();
@@ -165,7 +151,7 @@ TEST_CASE("llama: explicit positions 0..T-1, as (T) or (B, T), give the implicit
 }
 
 TEST_CASE("llama: shifted positions rotate q and k by the shift, so logits (relative positions) stay and a reorder changes them") {
-  LlamaConfig cfg = tiny();
+  LlamaConfig cfg = test::tiny_llama();
   LlamaForCausalLM m(cfg);
   m.init_weights(6);
   // The tables at positions p are the rows p of the precomputed tables.
