@@ -48,12 +48,20 @@ DeviceMesh combined_mesh(const DeviceMesh& fsdp, const DeviceMesh& tp) {
   QUILT_CHECK(tr[size_t(tp.rank())] == me && fsdp.root_comm() == tp.root_comm(),
               "[fully_shard] the tensor-parallel mesh ", tp.str(), " and the FSDP mesh ", fsdp.str(),
               " must be cut from one mesh");
+  // Cached per root communicator (which a weak handle checks is still the same one: a freed
+  // communicator's address may come back for a new group).
+  struct Entry {
+    std::weak_ptr<Communicator> root;
+    DeviceMesh mesh;
+  };
   static std::mutex mu;
-  static std::map<std::tuple<const Communicator*, std::vector<int>, std::vector<int>>, DeviceMesh> cache;
-  auto key = std::make_tuple(fsdp.root_comm().get(), fr, tr);
+  static std::map<std::tuple<const Communicator*, std::vector<int>, std::vector<int>>, Entry> cache;
+  const std::shared_ptr<Communicator> root = fsdp.root_comm();
+  auto key = std::make_tuple(root.get(), fr, tr);
   {
     std::lock_guard lk(mu);
-    if (auto it = cache.find(key); it != cache.end()) return it->second;
+    std::erase_if(cache, [](const auto& kv) { return kv.second.root.expired(); });  // groups gone
+    if (auto it = cache.find(key); it != cache.end() && it->second.root.lock() == root) return it->second.mesh;
   }
   // Ranks of one row-major mesh add up along its axes: the group of (fsdp x tp) positions
   // through this rank is {f + t - me}. Its smallest rank names it.
@@ -68,7 +76,7 @@ DeviceMesh combined_mesh(const DeviceMesh& fsdp, const DeviceMesh& tp) {
               "[fully_shard] the FSDP mesh ", fsdp.str(), " and the tensor-parallel mesh ", tp.str(),
               " are not two axes of one mesh");
   const int key_rank = int(tp.rank()) * int(fr.size()) + fsdp.rank();  // tp major
-  std::shared_ptr<Communicator> comm = fsdp.root_comm()->split(color, key_rank);
+  std::shared_ptr<Communicator> comm = root->split(color, key_rank);
   Shape shape = tp.shape();
   std::vector<std::string> names = tp.axis_names();
   for (int64_t a = 0; a < fsdp.ndim(); ++a) {
@@ -77,7 +85,8 @@ DeviceMesh combined_mesh(const DeviceMesh& fsdp, const DeviceMesh& tp) {
   }
   DeviceMesh m(comm, shape, names);
   std::lock_guard lk(mu);
-  return cache.emplace(key, m).first->second;
+  cache[key] = Entry{root, m};
+  return m;
 }
 
 }  // namespace
