@@ -279,6 +279,8 @@ TEST_CASE("fully_shard: reduce_dtype bf16 reduce-scatters in bf16; param_dtype b
       loss_of((*net)(batch_of(c.rank()))).backward();
       root->finish_backward();
     }
+    REQUIRE(rec.count("reduce_scatter") == 4);  // the dtype checks below see every one
+    REQUIRE(rec.count("all_gather") == 7);
     for (auto& r : rec.ops) {
       if (r.op == "reduce_scatter") CHECK(r.dtype == DType::bf16);
       if (r.op == "all_gather") CHECK(r.dtype == DType::f32);
@@ -299,6 +301,8 @@ TEST_CASE("fully_shard: reduce_dtype bf16 reduce-scatters in bf16; param_dtype b
       loss_of(cast((*net)(batch_of(c.rank())), DType::f32)).backward();
       root->finish_backward();
     }
+    REQUIRE(rec.count("reduce_scatter") == 4);
+    REQUIRE(rec.count("all_gather") == 7);
     for (auto& r : rec.ops)
       if (r.op == "all_gather" || r.op == "reduce_scatter") CHECK(r.dtype == DType::bf16);
     for (auto& [name, p] : net->named_parameters()) CHECK(p.dtype() == DType::f32);  // masters stay f32
