@@ -1,11 +1,13 @@
 // Sharded checkpoints (per-rank safetensors + index, committed by rename), resharding loads that
-// read only the needed blocks, and Hugging Face consolidated export/import.
+// read only the needed blocks, and Hugging Face consolidated export/import (with per-expert
+// tensors mapped to grouped ones).
 #include "dtensor/checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cctype>
 #include <cstdio>
 #include <filesystem>
@@ -41,6 +43,14 @@ struct Hook {
 };
 Hook& fault_hook() {
   static Hook h;
+  return h;
+}
+struct ReadHook {
+  std::mutex mu;
+  std::function<void(const std::string&, const Shape&, const Shape&, int)> fn;
+};
+ReadHook& read_hook() {
+  static ReadHook h;
   return h;
 }
 
@@ -92,6 +102,10 @@ std::string read_text(const std::string& path) {
 struct ChunkRec {
   std::string file;  // relative to Source::dir
   Shape offset, shape;
+  // One expert of a StackedName: the file entry that holds the chunk, which lacks the chunk's
+  // leading dim (of size 1; offset[0] is the expert). Otherwise the entry is the tensor's name.
+  std::string entry;
+  bool drops_dim0 = false;
 };
 struct TensorRec {
   Shape shape;
@@ -130,7 +144,8 @@ Source read_index(const std::string& dir_in, const char* op) {
       r.dtype = parse_safetensors_dtype(t.at("dtype").get<std::string>(), "[" + std::string(op) + "] " + path);
       r.placements = t.at("placements").get<std::string>();
       for (const json& c : t.at("chunks"))
-        r.chunks.push_back({c.at("file").get<std::string>(), shape_of(c.at("offset")), shape_of(c.at("shape"))});
+        r.chunks.push_back(
+            {c.at("file").get<std::string>(), shape_of(c.at("offset")), shape_of(c.at("shape")), "", false});
       s.order.push_back(name);
       s.tensors[name] = std::move(r);
     }
@@ -148,7 +163,7 @@ void add_file_entries(Source& s, const std::string& file, const std::vector<std:
     r.shape = e.shape;
     r.dtype = e.dtype;
     r.placements = "plain";
-    r.chunks.push_back({file, Shape(e.shape.size(), 0), e.shape});
+    r.chunks.push_back({file, Shape(e.shape.size(), 0), e.shape, "", false});
     s.order.push_back(e.name);
     s.tensors[e.name] = std::move(r);
   }
@@ -175,6 +190,60 @@ Source read_hf(const std::string& path, const char* op) {
   return s;
 }
 
+// ---- Hugging Face per-expert tensors as the chunks of one grouped tensor ----
+
+std::string expert_name(const StackedName& rule, int64_t e) {
+  const size_t at = rule.pattern.find("{}");
+  return rule.pattern.substr(0, at) + std::to_string(e) + rule.pattern.substr(at + 2);
+}
+
+void check_stacks(const std::vector<StackedName>& stacks, const char* op) {
+  std::set<std::string> seen;
+  for (const StackedName& rule : stacks) {
+    const size_t at = rule.pattern.find("{}");
+    QUILT_CHECK(at != std::string::npos && rule.pattern.find("{}", at + 2) == std::string::npos, "[", op,
+                "] the rule for '", rule.name, "' has pattern '", rule.pattern,
+                "', which must hold \"{}\" exactly once");
+    QUILT_CHECK(rule.count > 0, "[", op, "] the rule for '", rule.name, "' stacks ", rule.count,
+                " experts; it needs at least one");
+    QUILT_CHECK(seen.insert(rule.name).second, "[", op, "] two rules stack '", rule.name, "'");
+  }
+}
+
+// Makes src's record of rule.name the stack of the rule's file tensors: expert e is the chunk
+// (1, *rest) at (e, 0, ...), so fill() reads of each expert only the rows a block covers. Every
+// expert must be there with the target's shape[1:] and expert 0's dtype, also those this rank
+// does not read: a checkpoint missing one is damaged, whichever rank notices.
+void stack_experts(Source& src, const StackedName& rule, const Shape& target_shape, int rank, const char* op) {
+  QUILT_CHECK(!target_shape.empty() && target_shape[0] == rule.count, "[", op, "] target '", rule.name, "' has shape ",
+              target_shape, " but its rule stacks ", rule.count, " experts along dim 0 (rank ", rank, ")");
+  const Shape rest(target_shape.begin() + 1, target_shape.end());
+  TensorRec rec;
+  rec.shape = target_shape;
+  rec.placements = "plain";
+  for (int64_t e = 0; e < rule.count; ++e) {
+    const std::string n = expert_name(rule, e);
+    const auto it = src.tensors.find(n);
+    QUILT_CHECK(it != src.tensors.end(), "[", op, "] tensor '", n, "' (expert ", e, " of '", rule.name, "') is not in ",
+                src.what, " (rank ", rank, ")");
+    const TensorRec& x = it->second;
+    QUILT_CHECK(x.shape == rest, "[", op, "] tensor '", n, "' (expert ", e, " of '", rule.name, "') has shape ",
+                x.shape, " in ", src.what, " but the target's shape ", target_shape, " needs ", rest,
+                " per expert (rank ", rank, ")");
+    if (e == 0) rec.dtype = x.dtype;
+    QUILT_CHECK(x.dtype == rec.dtype, "[", op, "] tensor '", n, "' (expert ", e, " of '", rule.name, "') has dtype ",
+                dtype_name(x.dtype), " in ", src.what, " but expert 0 ('", expert_name(rule, 0), "') has dtype ",
+                dtype_name(rec.dtype), " (rank ", rank, ")");
+    assert(x.chunks.size() == 1);  // a Hugging Face file holds each tensor whole
+    ChunkRec c{x.chunks[0].file, Shape(target_shape.size(), 0), target_shape, n, true};
+    c.offset[0] = e;
+    c.shape[0] = 1;
+    rec.chunks.push_back(std::move(c));
+  }
+  if (!src.tensors.count(rule.name)) src.order.push_back(rule.name);
+  src.tensors[rule.name] = std::move(rec);
+}
+
 // ---- filling a target's block from a source ----
 
 int rank_label(const Tensor& t) {
@@ -185,8 +254,9 @@ int rank_label(const Tensor& t) {
   return is_initialized() ? launch_info().rank : 0;
 }
 
+// Fills `target` with tensor `name` of `src`, or, for a plain target, with the block `region` of it.
 void fill(const Source& src, const std::string& name, const Tensor& target, std::map<std::string, SafetensorsIndex>& files,
-          const char* op) {
+          const char* op, const Block* region = nullptr) {
   const int rank = rank_label(target);
   QUILT_CHECK(target.defined(), "[", op, "] target '", name, "' is undefined (rank ", rank, ")");
   auto it = src.tensors.find(name);
@@ -197,10 +267,11 @@ void fill(const Source& src, const std::string& name, const Tensor& target, std:
          " tensors: ", some, src.order.size() > 8 ? ", ..." : "");
   }
   const TensorRec& rec = it->second;
-  QUILT_CHECK(rec.shape == target.shape(), "[", op, "] tensor '", name, "' has shape ", rec.shape, " in ", src.what,
-              " but the target has shape ", target.shape(), " (rank ", rank, ")");
+  QUILT_CHECK(region || rec.shape == target.shape(), "[", op, "] tensor '", name, "' has shape ", rec.shape, " in ",
+              src.what, " but the target has shape ", target.shape(), " (rank ", rank, ")");
+  assert(!region || (!target.is_distributed() && target.shape() == region->shape));
   NoGradGuard ng;
-  Block block{Shape(rec.shape.size(), 0), rec.shape};
+  Block block = region ? *region : Block{Shape(rec.shape.size(), 0), rec.shape};
   Tensor local = target;
   if (target.is_distributed()) {
     const DistSpec& spec = *target.dist_spec();
@@ -224,20 +295,33 @@ void fill(const Source& src, const std::string& name, const Tensor& target, std:
       inter.shape[d] = hi - lo;
     }
     if (empty || numel_of(inter.shape) == 0) continue;
+    const std::string& entry = c.entry.empty() ? name : c.entry;
+    Shape start(block.shape.size()), sizes = inter.shape;
+    for (size_t d = 0; d < start.size(); ++d) start[d] = inter.offset[d] - c.offset[d];
+    if (c.drops_dim0) {
+      start.erase(start.begin());
+      sizes.erase(sizes.begin());
+    }
+    std::function<void(const std::string&, const Shape&, const Shape&, int)> hook;
+    {
+      std::lock_guard<std::mutex> lock(read_hook().mu);
+      hook = read_hook().fn;
+    }
+    if (hook) hook(entry, start, sizes, rank);
     Tensor piece;
     try {
       auto fi = files.find(c.file);
       if (fi == files.end()) fi = files.emplace(c.file, read_safetensors_index(src.dir + "/" + c.file)).first;
-      Shape start(block.shape.size());
-      for (size_t d = 0; d < start.size(); ++d) start[d] = inter.offset[d] - c.offset[d];
-      piece = read_safetensors_block(fi->second, name, start, inter.shape);
+      piece = read_safetensors_block(fi->second, entry, start, sizes);
     } catch (const Error& e) {
-      fail("[", op, "] tensor '", name, "' (rank ", rank, "): ", e.what());
+      const std::string expert =
+          c.drops_dim0 ? "expert " + std::to_string(c.offset[0]) + " '" + entry + "', " : std::string();
+      fail("[", op, "] tensor '", name, "' (", expert, "rank ", rank, "): ", e.what());
     }
     Tensor dst = local;
     for (size_t d = 0; d < block.shape.size(); ++d)
       dst = dst.narrow(int64_t(d), inter.offset[d] - block.offset[d], inter.shape[d]);
-    dst.copy_(piece);
+    dst.copy_(c.drops_dim0 ? piece.unsqueeze(0) : piece);
     covered += numel_of(inter.shape);
   }
   QUILT_CHECK(covered == numel_of(block.shape), "[", op, "] tensor '", name, "' (rank ", rank, "): the chunks in ",
@@ -267,6 +351,11 @@ namespace detail {
 void set_checkpoint_fault_hook(std::function<void(const std::string& path, int rank)> hook) {
   std::lock_guard<std::mutex> lock(fault_hook().mu);
   fault_hook().fn = std::move(hook);
+}
+void set_checkpoint_read_hook(
+    std::function<void(const std::string& entry, const Shape& start, const Shape& sizes, int rank)> hook) {
+  std::lock_guard<std::mutex> lock(read_hook().mu);
+  read_hook().fn = std::move(hook);
 }
 }  // namespace detail
 
@@ -447,21 +536,57 @@ std::string latest_checkpoint(const std::string& root) {
 }
 
 std::vector<std::string> export_consolidated(const std::string& dir, const std::string& out_path,
-                                             uint64_t max_shard_bytes) {
-  const Source src = read_index(dir, "export_consolidated");
-  // Files of at most max_shard_bytes (a larger tensor gets a file of its own).
-  std::vector<std::vector<std::string>> groups(1);
-  uint64_t in_group = 0, total = 0;
+                                             uint64_t max_shard_bytes, const std::vector<StackedName>& stacks) {
+  const char* op = "export_consolidated";
+  check_stacks(stacks, op);
+  const Source src = read_index(dir, op);
+  std::map<std::string, const StackedName*> rule_of;
+  for (const StackedName& rule : stacks) {
+    const auto it = src.tensors.find(rule.name);
+    QUILT_CHECK(it != src.tensors.end(), "[", op, "] the rule for '", rule.name, "' names no tensor of ", src.what);
+    const Shape& shape = it->second.shape;
+    QUILT_CHECK(!shape.empty() && shape[0] == rule.count, "[", op, "] tensor '", rule.name, "' has shape ", shape, " in ",
+                src.what, " but its rule stacks ", rule.count, " experts along dim 0");
+    rule_of[rule.name] = &rule;
+  }
+  // What the files hold, in order: whole tensors, or the experts of a stacked one in its place
+  // (expert e is its block (1, *rest) at (e, 0, ...)).
+  struct Item {
+    std::string out_name, src_name;
+    int64_t expert = -1;  // -1: the whole tensor
+    uint64_t bytes = 0;
+  };
+  std::vector<Item> items;
   for (const std::string& n : src.order) {
     const TensorRec& r = src.tensors.at(n);
     const uint64_t bytes = uint64_t(numel_of(r.shape)) * dtype_size(r.dtype);
-    if (!groups.back().empty() && in_group + bytes > max_shard_bytes) {
+    const auto ru = rule_of.find(n);
+    if (ru == rule_of.end()) {
+      items.push_back({n, n, -1, bytes});
+      continue;
+    }
+    for (int64_t e = 0; e < ru->second->count; ++e)
+      items.push_back({expert_name(*ru->second, e), n, e, bytes / uint64_t(ru->second->count)});
+  }
+  {
+    std::map<std::string, std::string> from;  // output name -> the tensor it comes from
+    for (const Item& it : items) {
+      const auto [at, fresh] = from.emplace(it.out_name, it.src_name);
+      QUILT_CHECK(fresh, "[", op, "] two tensors would be written as '", it.out_name, "': from '", at->second, "' and '",
+                  it.src_name, "' of ", src.what);
+    }
+  }
+  // Files of at most max_shard_bytes (a larger tensor gets a file of its own).
+  std::vector<std::vector<const Item*>> groups(1);
+  uint64_t in_group = 0, total = 0;
+  for (const Item& it : items) {
+    if (!groups.back().empty() && in_group + it.bytes > max_shard_bytes) {
       groups.emplace_back();
       in_group = 0;
     }
-    groups.back().push_back(n);
-    in_group += bytes;
-    total += bytes;
+    groups.back().push_back(&it);
+    in_group += it.bytes;
+    total += it.bytes;
   }
   const fs::path out(out_path);
   if (!out.parent_path().empty()) fs::create_directories(out.parent_path());
@@ -472,18 +597,27 @@ std::vector<std::string> export_consolidated(const std::string& dir, const std::
   std::map<std::string, SafetensorsIndex> files;
   for (size_t g = 0; g < groups.size(); ++g) {
     std::vector<std::pair<std::string, Tensor>> tensors;
-    for (const std::string& n : groups[g]) {
-      const TensorRec& r = src.tensors.at(n);
-      Tensor t = Tensor::empty(r.shape, {.dtype = r.dtype});
-      fill(src, n, t, files, "export_consolidated");
-      tensors.emplace_back(n, t);
+    for (const Item* it : groups[g]) {
+      const TensorRec& r = src.tensors.at(it->src_name);
+      if (it->expert < 0) {
+        Tensor t = Tensor::empty(r.shape, {.dtype = r.dtype});
+        fill(src, it->src_name, t, files, op);
+        tensors.emplace_back(it->out_name, t);
+        continue;
+      }
+      Block region{Shape(r.shape.size(), 0), r.shape};
+      region.offset[0] = it->expert;
+      region.shape[0] = 1;
+      Tensor t = Tensor::empty(region.shape, {.dtype = r.dtype});
+      fill(src, it->src_name, t, files, op, &region);
+      tensors.emplace_back(it->out_name, t.squeeze(0));
     }
     std::string path = out_path;
     if (groups.size() > 1) {
       char buf[64];
       std::snprintf(buf, sizeof buf, "-%05zu-of-%05zu.safetensors", g + 1, groups.size());
       path = (out.parent_path() / (stem + buf)).string();
-      for (const std::string& n : groups[g]) weight_map[n] = fs::path(path).filename().string();
+      for (const Item* it : groups[g]) weight_map[it->out_name] = fs::path(path).filename().string();
     }
     save_safetensors(path, tensors, {{"format", "pt"}});
     written.push_back(path);
@@ -491,16 +625,23 @@ std::vector<std::string> export_consolidated(const std::string& dir, const std::
   if (groups.size() > 1) {
     const std::string index_path = (out.parent_path() / (stem + ".safetensors.index.json")).string();
     json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    write_text_atomic(index_path, index.dump(2), "export_consolidated");
+    write_text_atomic(index_path, index.dump(2), op);
     written.push_back(index_path);
   }
   return written;
 }
 
-void import_consolidated(const std::string& path, const StateDict& targets) {
-  const Source src = read_hf(path, "import_consolidated");
+void import_consolidated(const std::string& path, const StateDict& targets, const std::vector<StackedName>& stacks) {
+  const char* op = "import_consolidated";
+  check_stacks(stacks, op);
+  Source src = read_hf(path, op);
+  for (const StackedName& rule : stacks) {
+    const auto t = std::find_if(targets.begin(), targets.end(), [&](const auto& nt) { return nt.first == rule.name; });
+    if (t != targets.end() && t->second.defined())
+      stack_experts(src, rule, t->second.shape(), rank_label(t->second), op);
+  }
   std::map<std::string, SafetensorsIndex> files;
-  for (const auto& [name, t] : targets) fill(src, name, t, files, "import_consolidated");
+  for (const auto& [name, t] : targets) fill(src, name, t, files, op);
 }
 
 }  // namespace quilt::dtensor
