@@ -1,16 +1,21 @@
 // FSDP2 units: see fully_shard.h.
 //
-// Layout of one unit over a shard axis of W ranks. Parameter p (its TP-local full tensor of
-// rows_p rows of row_p elements) is cut torch.chunk-wise into W row ranges; every range is
-// padded to pad_p = ceil(rows_p / W) rows, so each rank's segment of the unit has the same
-// size F = sum_p pad_p * row_p and one all-gather of F elements per rank rebuilds all of them:
+// Layout of one unit over a shard axis of W ranks. Parameter p (its TP-local full tensor),
+// seen as (outer_p, len_p, inner_p) around its shard dim d_p (outer: the dims before d_p,
+// inner: those after), is cut torch.chunk-wise into W ranges of len_p; rank k's piece
+// (outer_p, n_k, inner_p) lies contiguous in its segment, which leaves room for
+// pad_p = ceil(len_p / W) of them, so each rank's segment of the unit has the same size
+// F = sum_p outer_p * pad_p * inner_p and one all-gather of F elements per rank rebuilds all:
 //
-//   gathered (W * F):  [ rank 0: p0 rows | p1 rows | ... ][ rank 1: p0 rows | ... ] ...
+//   gathered (W * F):  [ rank 0: p0 piece | p1 piece | ... ][ rank 1: p0 piece | ... ] ...
 //   sharded  (F):      this rank's segment (master dtype); each sharded parameter is a view
-//   full (sum rows_p * row_p): the gathered parameters, each a view, freed after use
+//   full (sum numel_p): the gathered parameters, each a view, freed after use
 //
-// The reduce-scatter runs the same layout backwards: full gradients copied into (W * F) in
-// rank-major order, padding zero, reduce-scattered (avg) into F, each parameter's part a view.
+// With d_p = 0 (outer 1) the rank-major pieces are the full parameter's own rows; with d_p = 1
+// each piece is a strided block (every one of the outer rows holds n_k of its len_p), so the
+// gather's unpacking copies it into a narrow() of the full view along d_p. The reduce-scatter
+// runs the same layout backwards: each rank's block of the full gradient copied into (W * F),
+// padding zero, reduce-scattered (avg) into F, each parameter's part a view.
 #include "parallel/fully_shard.h"
 
 #include <algorithm>
@@ -23,6 +28,7 @@
 #include "dtensor/dtensor.h"
 #include "dtensor/sharding.h"
 #include "engine/autograd.h"
+#include "engine/ops/binary.h"
 #include "engine/ops/creation.h"
 #include "engine/ops/view.h"
 
@@ -99,12 +105,25 @@ class FSDPUnit : public std::enable_shared_from_this<FSDPUnit> {
     std::string name;
     Tensor sharded;    // the leaf the optimizer sees (distributed)
     Tensor unsharded;  // the leaf compute uses (plain, or a DTensor on the TP mesh)
-    Shape full_shape;  // TP-local full shape
+    Shape full_shape;   // TP-local full shape
+    Shape shard_shape;  // this rank's piece: full_shape with dim cut to rank_len[me]
     std::shared_ptr<const DistSpec> tp_spec;  // the parameter's own layout before FSDP, if distributed
     std::shared_ptr<const DistSpec> sharded_spec;
-    int64_t rows = 1, row = 1, pad = 0;
-    std::vector<int64_t> rank_rows, rank_start;
+    int64_t dim = 0;                          // the dim cut over the shard axis
+    int64_t outer = 1, len = 1, inner = 1;    // full_shape seen as (outer, len, inner) around dim
+    int64_t pad = 0;                          // ceil(len / W): the room every rank's segment keeps
+    std::vector<int64_t> rank_len, rank_start;  // rank k's piece: [rank_start[k], +rank_len[k]) of dim
     int64_t seg_offset = 0, full_offset = 0;
+    int64_t numel() const { return outer * len * inner; }
+    // Rank k's piece inside the flat segment buffer `seg` whose rank k segment starts at `base`.
+    Tensor piece_in(const Tensor& seg, int64_t base, int64_t k) const {
+      const int64_t n = rank_len[size_t(k)];
+      return seg.narrow(0, base + seg_offset, outer * n * inner).view({outer, n, inner});
+    }
+    // Rank k's piece of the full tensor seen as (outer, len, inner): a strided view when outer > 1.
+    Tensor piece_of(const Tensor& full3, int64_t k) const {
+      return full3.narrow(1, rank_start[size_t(k)], rank_len[size_t(k)]);
+    }
     bool requires_grad = false;
   };
   enum class State { sharded, gathering, unsharded };
@@ -113,6 +132,7 @@ class FSDPUnit : public std::enable_shared_from_this<FSDPUnit> {
       : module_(&module), mesh_(mesh), policy_(policy), label_(label) {}
 
   void build(const std::set<const TensorImpl*>& skip);
+  int64_t shard_dim_of(const std::string& name, const Tensor& param) const;
   void install_hooks();
 
   // ---- state machine ----
@@ -220,18 +240,25 @@ void FSDPUnit::build(const std::set<const TensorImpl*>& skip) {
     if (t.is_distributed()) p.tp_spec = t.dist_spec();
     const Tensor local = t.local();
     p.full_shape = local.shape();
-    p.rows = local.size(0);
-    p.row = local.numel() / std::max<int64_t>(1, p.rows);
-    p.rank_rows = chunk_sizes(p.rows, world_);
+    p.dim = shard_dim_of(p.name, t);
+    for (int64_t d = 0; d < int64_t(p.full_shape.size()); ++d) {
+      const int64_t n = p.full_shape[size_t(d)];
+      if (d < p.dim) p.outer *= n;
+      else if (d == p.dim) p.len = n;
+      else p.inner *= n;
+    }
+    p.rank_len = chunk_sizes(p.len, world_);
     for (int64_t k = 0, s = 0; k < world_; ++k) {
       p.rank_start.push_back(s);
-      s += p.rank_rows[size_t(k)];
+      s += p.rank_len[size_t(k)];
     }
-    p.pad = (p.rows + world_ - 1) / world_;
+    p.shard_shape = p.full_shape;
+    p.shard_shape[size_t(p.dim)] = p.rank_len[size_t(me_)];
+    p.pad = (p.len + world_ - 1) / world_;
     p.seg_offset = segment_;
-    segment_ += p.pad * p.row;
+    segment_ += p.outer * p.pad * p.inner;
     p.full_offset = full_numel_;
-    full_numel_ += p.rows * p.row;
+    full_numel_ += p.numel();
     p.requires_grad = t.requires_grad();
   }
   NoGradGuard ng;
@@ -240,12 +267,10 @@ void FSDPUnit::build(const std::set<const TensorImpl*>& skip) {
   full_flat_ = Tensor::from_storage(Storage::allocate(0, sharded_flat_.device()), {full_numel_}, {1}, 0, compute_dtype_);
   for (Param& p : params_) {
     const Tensor local = p.sharded.local();
-    const int64_t my_rows = p.rank_rows[size_t(me_)];
-    Shape shard_shape = p.full_shape;
-    shard_shape[0] = my_rows;
-    Tensor view = sharded_flat_.narrow(0, p.seg_offset, my_rows * p.row).view(shard_shape);
+    const int64_t my_len = p.rank_len[size_t(me_)];
+    Tensor view = sharded_flat_.narrow(0, p.seg_offset, numel_of(p.shard_shape)).view(p.shard_shape);
     // A parameter built under DeferredInitGuard has no values yet: init_weights fills the shard.
-    if (my_rows > 0 && !is_deferred(p.sharded)) view.copy_(local.narrow(0, p.rank_start[size_t(me_)], my_rows));
+    if (my_len > 0 && !is_deferred(p.sharded)) view.copy_(local.narrow(p.dim, p.rank_start[size_t(me_)], my_len));
     // The sharded leaf: a DTensor on the FSDP mesh (or on tp axes + FSDP axes).
     DeviceMesh pm = mesh_;
     Placements pl;
@@ -254,15 +279,15 @@ void FSDPUnit::build(const std::set<const TensorImpl*>& skip) {
       pl = p.tp_spec->placements;
     }
     if (nd == 2) pl.push_back(Replicate());
-    pl.push_back(Shard(0));
+    pl.push_back(Shard(p.dim));
     p.sharded_spec = std::make_shared<const DistSpec>(pm, pl, p.sharded.shape());
-    QUILT_CHECK(p.sharded_spec->local_shape() == shard_shape, "[fully_shard] ", label_, ": internal layout of '", p.name,
-                "' disagrees with its DTensor spec: ", p.sharded_spec->str());
+    QUILT_CHECK(p.sharded_spec->local_shape() == p.shard_shape, "[fully_shard] ", label_, ": internal layout of '",
+                p.name, "' disagrees with its DTensor spec: ", p.sharded_spec->str());
     Tensor sharded = Tensor::make_distributed(view, p.sharded_spec, p.sharded.shape());
     sharded.set_name(p.name);
     if (p.requires_grad) sharded.set_requires_grad(true);
     // The unsharded leaf: a view of full_flat_, whose storage is freed while sharded.
-    Tensor full_view = full_flat_.narrow(0, p.full_offset, p.rows * p.row).view(p.full_shape);
+    Tensor full_view = full_flat_.narrow(0, p.full_offset, p.numel()).view(p.full_shape);
     Tensor unsharded = p.tp_spec ? Tensor::make_distributed(full_view, p.tp_spec, p.sharded.shape()) : full_view;
     unsharded.set_name(p.name);
     if (p.requires_grad) unsharded.set_requires_grad(true);
@@ -271,6 +296,21 @@ void FSDPUnit::build(const std::set<const TensorImpl*>& skip) {
     if (p.requires_grad) ++grad_params_;
   }
   install(false);
+}
+
+// The policy's choice, else dim 0 unless that leaves ranks empty and dim 1 does not (see
+// FSDPPolicy::shard_dim). Shapes are the TP-local ones: FSDP cuts what this rank holds.
+int64_t FSDPUnit::shard_dim_of(const std::string& name, const Tensor& param) const {
+  const Shape shape = param.local().shape();
+  const int64_t nd = int64_t(shape.size());
+  if (policy_.shard_dim) {
+    if (const std::optional<int64_t> d = policy_.shard_dim(name, param)) {
+      QUILT_CHECK(*d >= -nd && *d < nd, "[fully_shard] ", label_, ": shard_dim ", *d, " for parameter '", name,
+                  "' of shape ", shape, " is out of range");
+      return *d < 0 ? *d + nd : *d;
+    }
+  }
+  return nd >= 2 && shape[0] < world_ && shape[1] >= world_ ? 1 : 0;
 }
 
 void FSDPUnit::install(bool unsharded) {
@@ -303,13 +343,11 @@ void FSDPUnit::wait_unshard() {
   stats_.wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
   gather_work_ = Work();
   if (full_flat_.storage().nbytes() == 0) full_flat_.storage().resize_(size_t(full_numel_) * dtype_size(compute_dtype_));
-  for (Param& p : params_)
-    for (int64_t k = 0; k < world_; ++k) {
-      const int64_t n = p.rank_rows[size_t(k)] * p.row;
-      if (n == 0) continue;
-      full_flat_.narrow(0, p.full_offset + p.rank_start[size_t(k)] * p.row, n)
-          .copy_(gather_buf_.narrow(0, k * segment_ + p.seg_offset, n));
-    }
+  for (Param& p : params_) {
+    const Tensor full = full_flat_.narrow(0, p.full_offset, p.numel()).view({p.outer, p.len, p.inner});
+    for (int64_t k = 0; k < world_; ++k)
+      if (p.rank_len[size_t(k)] > 0) p.piece_of(full, k).copy_(p.piece_in(gather_buf_, k * segment_, k));
+  }
   if (group_ > 0 && !gather_from_kept_) {
     // Keep this rank's part of the gather for groups of group_ ranks: member j of a group
     // holds segments [j * W / N, (j + 1) * W / N), so the group's all-gather rebuilds all W.
@@ -401,11 +439,9 @@ void FSDPUnit::launch_reduce(bool fill_missing) {
       QUILT_CHECK(fill_missing, "[fully_shard] internal: '", p.name, "' has no gradient");
       continue;  // zeros
     }
-    const Tensor gl = g.local().reshape({-1});
-    for (int64_t k = 0; k < world_; ++k) {
-      const int64_t n = p.rank_rows[size_t(k)] * p.row;
-      if (n > 0) in.narrow(0, k * segment_ + p.seg_offset, n).copy_(gl.narrow(0, p.rank_start[size_t(k)] * p.row, n));
-    }
+    const Tensor gl = g.local().reshape({p.outer, p.len, p.inner});
+    for (int64_t k = 0; k < world_; ++k)
+      if (p.rank_len[size_t(k)] > 0) p.piece_in(in, k * segment_, k).copy_(p.piece_of(gl, k));
     p.unsharded.set_grad(Tensor());
   }
   Tensor out = empty({segment_}, {.dtype = reduce_dtype_, .device = sharded_flat_.device()});
@@ -445,10 +481,13 @@ void FSDPUnit::finish() {
     pd.work.wait();
     for (Param& p : params_) {
       if (!p.requires_grad) continue;
-      Shape shard_shape = p.full_shape;
-      shard_shape[0] = p.rank_rows[size_t(me_)];
-      Tensor part = pd.out.narrow(0, p.seg_offset, shard_shape[0] * p.row).view(shard_shape);
+      Tensor part = pd.out.narrow(0, p.seg_offset, numel_of(p.shard_shape)).view(p.shard_shape);
       if (part.dtype() != master_dtype_) part = part.to(master_dtype_);
+      if (policy_.gradient_divide_factor) {
+        // The reductions averaged over every rank of the mesh; the caller's divisor replaces that.
+        const double ranks = double(world_) * double(replicate_comm_ ? replicate_comm_->size() : 1);
+        part = part * (ranks / *policy_.gradient_divide_factor);
+      }
       Tensor cur = p.sharded.grad();
       if (cur.defined()) cur.local().add_(part);
       else p.sharded.set_grad(Tensor::make_distributed(part.contiguous(), p.sharded_spec, p.sharded.shape()));

@@ -1,6 +1,7 @@
 // FSDP2: fully_shard(module, mesh, policy) makes `module` one unit whose parameters live
-// sharded on dim 0 over the mesh's shard axis, all in one flat buffer per rank (each
-// parameter's shard is a view of it, uneven sizes padded). A unit gathers its parameters with
+// sharded over the mesh's shard axis (on dim 0, or on dim 1 for a parameter with fewer rows
+// than ranks: FSDPPolicy::shard_dim), all in one flat buffer per rank (each parameter's shard
+// is a view of it, uneven sizes padded). A unit gathers its parameters with
 // ONE all-gather before its forward (issued ahead by the unit before it: prefetch), frees them
 // after forward when resharding, gathers again before its backward (prefetched by the unit
 // after it) and reduce-scatters its gradients with ONE asynchronous reduce-scatter as soon as
@@ -23,6 +24,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -54,6 +56,22 @@ struct FSDPPolicy {
   /// Dotted names (under the unit's module) of parameters another parallelism owns: left as
   /// they are, not sharded, gathered or reduced here.
   std::vector<std::string> ignored_params;
+  /// Gradients are summed over the mesh and divided by this instead of by its size (none).
+  /// Expert parallelism needs it: an expert's gradient already sums the tokens of its whole
+  /// ep group, so its unit over ep_shard divides by every data-parallel rank (dp * cp).
+  std::optional<double> gradient_divide_factor;
+  /// The dim each parameter is sharded on over the shard axis (PyTorch's shard_placement_fn),
+  /// given its dotted name and the parameter as it is before sharding (a DTensor when already
+  /// distributed); a negative dim counts from the end. Empty, or none returned: dim 0, except
+  /// dim 1 when the parameter's (TP-local) shape has fewer dim-0 rows than the shard axis has
+  /// ranks and a dim 1 of at least that many — MoE experts (E_local, I, H) with fewer experts
+  /// than ranks, which dim 0 would leave on some ranks only. Every rank must answer the same.
+  ///
+  ///   policy.shard_dim = [](const std::string& name, const Tensor&) -> std::optional<int64_t> {
+  ///     if (name.ends_with("experts.w1")) return 1;
+  ///     return std::nullopt;
+  ///   };
+  std::function<std::optional<int64_t>(const std::string& param_name, const Tensor& param)> shard_dim;
 };
 
 /// What a unit did, for tests and logs (counters since creation).

@@ -1,17 +1,23 @@
 // fully_shard on the threads backend: collective counts and order per unit, prefetch that lets
 // compute proceed under a slow gather, reduce and param dtypes, fp32 islands as their own units,
-// uneven shards, HSDP and reshard-to-groups — each against a one-rank reference.
+// uneven shards, HSDP and reshard-to-groups, parameters sharded on dim 1 (MoE experts with
+// fewer experts than ranks) — each against a one-rank reference.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <mutex>
 
 #include "collectives/communicator.h"
 #include "collectives/observer.h"
+#include "dtensor/checkpoint.h"
 #include "dtensor/dtensor.h"
+#include "dtensor/grad_norm.h"
 #include "engine/engine.h"
 #include "parallel/fully_shard.h"
+#include "parallel/tensor_parallel.h"
 
 using namespace quilt;
 
@@ -78,7 +84,7 @@ std::map<std::string, Tensor> reference_grads(int world, int64_t layers = 3) {
   return g;
 }
 
-void check_grads_match(Net& net, const std::map<std::string, Tensor>& ref, double tol) {
+void check_grads_match(Module& net, const std::map<std::string, Tensor>& ref, double tol) {
   for (auto& [name, p] : net.named_parameters()) {
     REQUIRE_MESSAGE(p.grad().defined(), name);
     CHECK_MESSAGE(p.grad().is_distributed(), name);
@@ -106,6 +112,126 @@ struct Recorder {
     return n;
   }
 };
+
+double max_diff(const Tensor& a, const Tensor& b) {
+  const auto x = a.to_vector(), y = b.to_vector();
+  REQUIRE(x.size() == y.size());
+  double err = 0;
+  for (size_t i = 0; i < x.size(); ++i) err = std::max(err, std::fabs(x[i] - y[i]));
+  return err;
+}
+
+// MoE experts in their grouped layout (E, I, H), here with fewer experts than ranks, beside a
+// plain Linear: y = x + out(sum_e tanh(x @ w_e^T)).
+class Experts : public Module {
+ public:
+  Experts(int64_t experts, int64_t inter, int64_t hidden) : Module("Experts") {
+    w_ = &register_parameter("w", Tensor::empty({experts, inter, hidden}));
+    out = register_module("out", std::make_shared<Linear>(inter, hidden, true));
+  }
+  Tensor forward(const Tensor& x) override {
+    return x + (*out)(sum(tanh(matmul(unsqueeze(x, 0), transpose(*w_, 1, 2))), {0}));
+  }
+  void reset_parameter(const std::string& name, Tensor& p, RngKey key) override {
+    if (name == "w") init::normal_(p, key, 0.0, 0.3);
+    else Module::reset_parameter(name, p, key);
+  }
+  Tensor& w() { return *w_; }
+  std::shared_ptr<Linear> out;
+
+ private:
+  Tensor* w_;
+};
+
+constexpr int64_t kHidden = 6;
+
+class ExpertsNet : public Module {
+ public:
+  explicit ExpertsNet(int64_t inter) : Module("ExpertsNet") {
+    blocks = register_module("blocks", std::make_shared<ModuleList>());
+    for (int i = 0; i < 2; ++i) blocks->push_back(std::make_shared<Experts>(2, inter, kHidden));
+    head = register_module("head", std::make_shared<Linear>(kHidden, 5, true));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = x;
+    for (auto& [name, b] : blocks->named_children()) h = (*b)(h);
+    return (*head)(h);
+  }
+  Experts& block(size_t i) { return static_cast<Experts&>(*blocks->named_children()[i].second); }
+  std::shared_ptr<ModuleList> blocks;
+  std::shared_ptr<Linear> head;
+};
+
+Tensor experts_batch(int rank) { return randn({4, kHidden}, RngKey(77, uint64_t(rank))); }
+
+std::shared_ptr<ExpertsNet> make_experts_net(int64_t inter) {
+  auto net = std::make_shared<ExpertsNet>(inter);
+  net->init_weights(11);
+  return net;
+}
+
+std::shared_ptr<FSDPModule> shard_experts_net(ExpertsNet& net, const DeviceMesh& mesh, const FSDPPolicy& policy = {}) {
+  for (auto& [name, b] : net.blocks->named_children()) fully_shard(*b, mesh, policy);
+  return fully_shard(net, mesh, policy);
+}
+
+constexpr SGDOptions kExpertsSGD{.lr = 0.5, .momentum = 0.9, .weight_decay = 0.01};
+
+// One rank's view of a training step of the experts net on every rank's batch together: its
+// gradients and their norm, the parameters after one SGD step, each rank's output after it.
+struct ExpertsStep {
+  std::map<std::string, Tensor> grads, params;
+  double grad_norm = 0;
+  std::vector<Tensor> outputs;
+};
+
+ExpertsStep experts_step_one_rank(int world, int64_t inter) {
+  auto net = make_experts_net(inter);
+  std::vector<Tensor> xs;
+  for (int r = 0; r < world; ++r) xs.push_back(experts_batch(r));
+  loss_of((*net)(cat(xs, 0))).backward();
+  ExpertsStep s;
+  for (auto& [name, p] : net->named_parameters()) s.grads[name] = p.grad();
+  s.grad_norm = quilt::grad_norm(net->parameters()).item<double>();
+  SGD opt(net->parameters(), kExpertsSGD);
+  opt.step();
+  for (auto& [name, p] : net->named_parameters()) s.params[name] = p.detach();
+  NoGradGuard ng;
+  for (int r = 0; r < world; ++r) s.outputs.push_back((*net)(experts_batch(r)));
+  return s;
+}
+
+// The same step on this rank of a net already sharded: gradients, their norm, the stepped
+// parameters (full_tensor of each shard) and the output gathered from the stepped shards.
+// `rec`, when given, records the forward and backward's collectives.
+void check_experts_step(Communicator& c, ExpertsNet& net, FSDPModule& root, const ExpertsStep& want, double tol,
+                        Recorder* rec = nullptr) {
+  {
+    auto watching = rec ? rec->watch() : nullptr;
+    loss_of(cast(net(experts_batch(c.rank())), DType::f32)).backward();
+    root.finish_backward();
+  }
+  check_grads_match(net, want.grads, tol);
+  CHECK(dtensor::grad_norm(net.parameters()).item<double>() == doctest::Approx(want.grad_norm).epsilon(tol));
+  SGD opt(net.parameters(), kExpertsSGD);
+  opt.step();
+  for (auto& [name, p] : net.named_parameters()) {
+    REQUIRE_MESSAGE(p.is_distributed(), name);
+    const double err = max_diff(full_tensor(p), want.params.at(name));
+    CHECK_MESSAGE(err <= tol, name, " after the step differs by ", err);
+  }
+  NoGradGuard ng;
+  const double err = max_diff(cast(net(experts_batch(c.rank())), DType::f32), want.outputs.at(size_t(c.rank())));
+  CHECK_MESSAGE(err <= tol * 10, "output after the step differs by ", err);
+}
+
+std::string fresh_dir(const std::string& tag) {
+  const std::filesystem::path p =
+      std::filesystem::temp_directory_path() / ("quilt_fsdp_" + tag + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(p);
+  std::filesystem::create_directories(p);
+  return p.string();
+}
 
 }  // namespace
 
@@ -444,5 +570,224 @@ TEST_CASE("fully_shard: ignored parameters keep their layout and stay out of the
     CHECK(rec.ops[0].shape == Shape{3 * 7 + 4});
     CHECK(b.fc2->weight().grad().defined());  // its gradient is left where autograd put it
     CHECK_FALSE(b.fc2->weight().grad().is_distributed());
+  });
+}
+
+TEST_CASE("fully_shard: a (2, 12, 6) parameter on 4 ranks is sharded on dim 1 and steps as on one rank") {
+  const ExpertsStep want = experts_step_one_rank(4, 12);
+  run_threads_group(4, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {4}, {"dp_shard"});
+    auto net = make_experts_net(12);
+    auto root = shard_experts_net(*net, mesh);
+    // Two experts over four ranks: dim 1 (12 -> 3 each), not dim 0 (1, 1, 0, 0).
+    const Tensor& w = net->block(0).w();
+    REQUIRE(w.is_distributed());
+    CHECK(placements_of(w) == Placements{Shard(1)});
+    CHECK(w.local().shape() == Shape{2, 3, 6});
+    CHECK(w.shape() == Shape{2, 12, 6});
+    // The Linear beside it (6, 12) has a row per rank and keeps dim 0; so does the 1-D bias.
+    CHECK(placements_of(net->block(0).out->weight()) == Placements{Shard(0)});
+    CHECK(net->block(0).out->weight().local().shape() == Shape{c.rank() < 3 ? 2 : 0, 12});  // 2, 2, 2, 0
+    CHECK(placements_of(net->block(0).out->bias()) == Placements{Shard(0)});
+    // The head's weight (5, 6) has rows enough too.
+    CHECK(placements_of(net->head->weight()) == Placements{Shard(0)});
+    check_experts_step(c, *net, *root, want, 1e-5);
+    // A second step gathers the stepped shards again, the same way.
+    for (auto& [name, p] : net->named_parameters()) p.set_grad(Tensor());
+    loss_of((*net)(experts_batch(c.rank()))).backward();
+    root->finish_backward();
+    for (auto& [name, p] : net->named_parameters()) CHECK_MESSAGE(p.grad().defined(), name);
+  });
+}
+
+TEST_CASE("fully_shard: uneven dim-1 shards of (2, 10, 6) over 4 ranks step as on one rank") {
+  const ExpertsStep want = experts_step_one_rank(4, 10);
+  run_threads_group(4, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {4}, {"dp_shard"});
+    auto net = make_experts_net(10);
+    auto root = shard_experts_net(*net, mesh);
+    const Tensor& w = net->block(1).w();
+    CHECK(placements_of(w) == Placements{Shard(1)});
+    CHECK(w.local().shape() == Shape{2, c.rank() < 3 ? 3 : 1, 6});  // torch.chunk: 3, 3, 3, 1
+    // The out Linear (6, 10) keeps dim 0: 2, 2, 2, 0 rows.
+    CHECK(net->block(1).out->weight().local().shape() == Shape{c.rank() < 3 ? 2 : 0, 10});
+    check_experts_step(c, *net, *root, want, 1e-5);
+  });
+}
+
+TEST_CASE("fully_shard: dim-1 shards with reshard_after_forward false or 2, or gathered in bf16, step as on one rank") {
+  const ExpertsStep want = experts_step_one_rank(4, 10);
+  for (int mode = 0; mode < 3; ++mode) {
+    CAPTURE(mode);
+    run_threads_group(4, [&](Communicator& c) {
+      DeviceMesh mesh(c.shared_from_this(), {4}, {"dp_shard"});
+      auto net = make_experts_net(10);
+      FSDPPolicy policy;
+      if (mode == 0) policy.reshard_after_forward = false;
+      if (mode == 1) policy.reshard_after_forward = int64_t(2);
+      if (mode == 2) policy.param_dtype = DType::bf16;
+      auto root = shard_experts_net(*net, mesh, policy);
+      REQUIRE(placements_of(net->block(0).w()) == Placements{Shard(1)});
+      Recorder rec;
+      // bf16 keeps 8 bits of mantissa: values agree to its rounding.
+      check_experts_step(c, *net, *root, want, mode == 2 ? 3e-2 : 1e-5, &rec);
+      // Blocks gather in forward and (unless kept) in backward; with 2, backward's within pairs.
+      size_t gathers = 0, pair_gathers = 0;
+      for (auto& r : rec.ops)
+        if (r.op == "all_gather") {
+          ++gathers;
+          pair_gathers += r.comm_size == 2;
+        }
+      CHECK(gathers == (mode == 0 ? 3u : 5u));
+      CHECK(pair_gathers == (mode == 1 ? 2u : 0u));
+    });
+  }
+}
+
+TEST_CASE("fully_shard: dim-1 shards under HSDP 2x2 step as on one rank") {
+  const ExpertsStep want = experts_step_one_rank(4, 10);
+  run_threads_group(4, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2, 2}, {"dp_replicate", "dp_shard"});
+    // Two experts over a shard axis of 2 have a row per rank: the rule keeps dim 0, so the
+    // callback asks for dim 1.
+    FSDPPolicy policy;
+    policy.shard_dim = [](const std::string& name, const Tensor&) -> std::optional<int64_t> {
+      if (name.ends_with(".w")) return 1;
+      return std::nullopt;
+    };
+    auto net = make_experts_net(10);
+    auto root = shard_experts_net(*net, mesh, policy);
+    const Tensor& w = net->block(0).w();
+    CHECK(placements_of(w) == Placements{Replicate(), Shard(1)});
+    CHECK(w.local().shape() == Shape{2, 5, 6});
+    CHECK(placements_of(net->block(0).out->weight()) == Placements{Replicate(), Shard(0)});
+    check_experts_step(c, *net, *root, want, 1e-5);
+  });
+  run_threads_group(4, [&](Communicator& c) {
+    // A 1x4 mesh: the automatic rule sees a shard axis of 4.
+    DeviceMesh mesh(c.shared_from_this(), {1, 4}, {"dp_replicate", "dp_shard"});
+    auto net = make_experts_net(12);
+    shard_experts_net(*net, mesh);
+    CHECK(placements_of(net->block(0).w()) == Placements{Replicate(), Shard(1)});
+  });
+}
+
+TEST_CASE("fully_shard: the shard_dim callback forces dim 1, dim 0 or dim 2, and a dim out of range is refused") {
+  const ExpertsStep want = experts_step_one_rank(4, 12);
+  for (int64_t forced : {1, 0, 2}) {
+    CAPTURE(forced);
+    run_threads_group(4, [&](Communicator& c) {
+      DeviceMesh mesh(c.shared_from_this(), {4}, {"dp_shard"});
+      FSDPPolicy policy;
+      // The experts and the out Linear's weight (6, 12) both take the forced dim (-1: the last).
+      policy.shard_dim = [forced](const std::string& name, const Tensor& p) -> std::optional<int64_t> {
+        if (name.ends_with(".w")) return forced == 2 ? -1 : forced;
+        if (name.ends_with("out.weight") && forced < p.dim()) return forced;
+        return std::nullopt;
+      };
+      auto net = make_experts_net(12);
+      auto root = shard_experts_net(*net, mesh, policy);
+      const Tensor& w = net->block(0).w();
+      const Tensor& ow = net->block(0).out->weight();
+      CHECK(placements_of(w) == Placements{Shard(forced)});
+      const int64_t r = c.rank();
+      if (forced == 0) {
+        CHECK(w.local().shape() == Shape{r < 2 ? 1 : 0, 12, 6});
+        CHECK(ow.local().shape() == Shape{r < 3 ? 2 : 0, 12});
+      } else if (forced == 1) {
+        CHECK(w.local().shape() == Shape{2, 3, 6});
+        CHECK(placements_of(ow) == Placements{Shard(1)});
+        CHECK(ow.local().shape() == Shape{6, 3});
+      } else {
+        CHECK(w.local().shape() == Shape{2, 12, r < 3 ? 2 : 0});
+        CHECK(placements_of(ow) == Placements{Shard(0)});  // the callback left it to the rule
+      }
+      check_experts_step(c, *net, *root, want, 1e-5);
+    });
+  }
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});
+    FSDPPolicy policy;
+    policy.shard_dim = [](const std::string&, const Tensor&) -> std::optional<int64_t> { return 3; };
+    auto net = make_experts_net(12);
+    CHECK_THROWS_WITH(fully_shard(net->block(0), mesh, policy),
+                      doctest::Contains("shard_dim 3 for parameter 'blocks.0.w' of shape (2, 12, 6) is out of range"));
+  });
+}
+
+TEST_CASE("fully_shard: a model built without storage gets, in dim-1 shards, the one-rank initial values") {
+  auto eager = make_experts_net(10);
+  std::map<std::string, Tensor> want;
+  for (auto& [name, p] : eager->named_parameters()) want[name] = p;
+  run_threads_group(4, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {4}, {"dp_shard"});
+    std::shared_ptr<ExpertsNet> net;
+    {
+      DeferredInitGuard deferred;
+      net = std::make_shared<ExpertsNet>(10);
+    }
+    auto root = shard_experts_net(*net, mesh);
+    REQUIRE(placements_of(net->block(0).w()) == Placements{Shard(1)});
+    net->init_weights(11);
+    for (auto& [name, p] : net->named_parameters()) {
+      CHECK_FALSE(is_deferred(p));
+      CHECK_MESSAGE(full_tensor(p).to_vector() == want.at(name).to_vector(), name);
+    }
+    // The gathered parameters are the eager ones too.
+    root->unshard();
+    CHECK(net->block(1).w().to_vector() == want.at("blocks.1.w").to_vector());
+    root->reshard();
+  });
+}
+
+TEST_CASE("fully_shard: a checkpoint saved under Shard(1) loads into a plain module equal") {
+  const ExpertsStep want = experts_step_one_rank(4, 10);
+  const std::string dir = fresh_dir("shard1") + "/step-1";
+  run_threads_group(4, [&](Communicator& c) {
+    DeviceMesh mesh(c.shared_from_this(), {4}, {"dp_shard"});
+    auto net = make_experts_net(10);
+    auto root = shard_experts_net(*net, mesh);
+    check_experts_step(c, *net, *root, want, 1e-5);
+    dtensor::save_checkpoint(dir, net->named_parameters(), c);
+  });
+  const dtensor::CheckpointInfo info = dtensor::read_checkpoint_info(dir);
+  bool seen = false;
+  for (const auto& t : info.tensors)
+    if (t.name == "blocks.0.w") {
+      seen = true;
+      CHECK(t.placements == "(S(1))");
+    }
+  CHECK(seen);
+  auto plain = std::make_shared<ExpertsNet>(10);
+  plain->init_weights(12345);  // other values, all overwritten by the load
+  dtensor::load_checkpoint(dir, plain->named_parameters());
+  for (auto& [name, p] : plain->named_parameters()) {
+    const double err = max_diff(p, want.params.at(name));
+    CHECK_MESSAGE(err <= 1e-5, name, " differs by ", err);
+  }
+  std::filesystem::remove_all(std::filesystem::path(dir).parent_path());
+}
+
+TEST_CASE("fully_shard: a tensor-parallel parameter with fewer local rows than ranks is cut on dim 1 after TP") {
+  auto eager = std::make_shared<Experts>(4, 12, kHidden);
+  eager->init_weights(3);
+  const Tensor want = eager->w();
+  run_threads_group(8, [&](Communicator& c) {
+    DeviceMesh world(c.shared_from_this(), {4, 2}, {"dp_shard", "ep"});
+    auto block = std::make_shared<Experts>(4, 12, kHidden);
+    block->init_weights(3);
+    // Four experts over ep = 2 leave two per rank, fewer than the 4 shard ranks.
+    distribute_parameter(*block, "experts", "w", world["ep"], Shard(0), "test");
+    auto unit = fully_shard(*block, world["dp_shard"]);
+    const Tensor& w = block->w();
+    CHECK(placements_of(w) == Placements{Shard(0), Shard(1)});
+    CHECK(w.local().shape() == Shape{2, 3, 6});
+    CHECK(full_tensor(w).to_vector() == want.to_vector());
+    // Gathered: the ep-local experts whole, a DTensor on the ep mesh again.
+    unit->unshard();
+    const Tensor& g = block->w();
+    CHECK(placements_of(g) == Placements{Shard(0)});
+    CHECK(g.local().to_vector() == want.narrow(0, 2 * world["ep"].rank(), 2).contiguous().to_vector());
+    unit->reshard();
   });
 }
