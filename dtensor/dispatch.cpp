@@ -38,6 +38,7 @@ const Registry& registry() {
     register_view_rules(reg);
     register_nn_rules(reg);
     register_index_rules(reg);
+    register_moe_rules(reg);
     return reg;
   }();
   return r;

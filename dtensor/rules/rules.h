@@ -107,6 +107,7 @@ void register_reduction_rules(Registry& r);
 void register_view_rules(Registry& r);
 void register_nn_rules(Registry& r);
 void register_index_rules(Registry& r);
+void register_moe_rules(Registry& r);
 
 // ---- helpers shared by the rule files ----
 

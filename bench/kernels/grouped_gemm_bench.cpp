@@ -1,0 +1,190 @@
+// grouped_mm TFLOP/s against the two ways to do without it, timed in the same run, interleaved:
+//   dense: one engine matmul (M_total, K) @ (K, N) of the same FLOPs (the ceiling: one big GEMM),
+//   loop:  one engine matmul per expert over its rows (what a model without grouped_mm runs).
+// Shapes are the expert matrices of Qwen3-30B-A3B (E=128, K=2048, N=768 gate/up and K=768,
+// N=2048 down) and DeepSeek-V3 (E=256, K=7168, N=2048), with fewer experts than the models so
+// that a case runs well under a second on two cores; rows per expert 64, 256, 1024, balanced
+// or Zipf-skewed (expert e gets a share proportional to 1/(e+1)). Counters: TFLOPs (grouped),
+// dense_TFLOPs, loop_TFLOPs, vs_dense = grouped/dense, vs_loop = grouped/loop.
+// Then moe_permute + moe_unpermute GB/s against memcpy's in the same run (vs_copy).
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/engine/bench_util.h"
+#include "engine/engine.h"
+#include "engine/ops/moe.h"
+
+using namespace quilt;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_of(const std::function<void()>& f) {
+  const auto t0 = Clock::now();
+  f();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct ExpertShape {
+  const char* name;
+  int64_t k, n;
+};
+const ExpertShape kShapes[] = {
+    {"qwen3_30b_a3b_up", 2048, 768},
+    {"qwen3_30b_a3b_down", 768, 2048},
+    {"deepseek_v3", 7168, 2048},
+};
+const int64_t kRowsPerExpert[] = {64, 256, 1024};
+
+// Experts per case: about kFlopBudget per grouped call, at least 4 experts (2 for DeepSeek's
+// 15 GFLOP experts at 256 rows), at most the model's count.
+constexpr double kFlopBudget = 6e9;
+
+int64_t experts_for(const ExpertShape& s, int64_t rows) {
+  const double per_expert = 2.0 * double(s.k) * double(s.n) * double(rows);
+  const int64_t floor = per_expert > 4e9 ? 2 : 4;
+  return std::clamp<int64_t>(int64_t(std::lround(kFlopBudget / per_expert)), floor, 64);
+}
+
+// Rows per expert: all `rows`, or Zipf-like shares of experts * rows (largest first).
+std::vector<int64_t> routing_counts(int64_t experts, int64_t rows, bool skewed) {
+  std::vector<int64_t> c(size_t(experts), rows);
+  if (!skewed) return c;
+  const int64_t total = experts * rows;
+  double h = 0;
+  for (int64_t e = 0; e < experts; ++e) h += 1.0 / double(e + 1);
+  int64_t used = 0;
+  for (int64_t e = 0; e < experts; ++e) used += c[size_t(e)] = int64_t(double(total) / (h * double(e + 1)));
+  c[0] += total - used;  // rounding leftovers to the busiest expert
+  return c;
+}
+
+void BM_grouped_mm(benchmark::State& state, ExpertShape s, int64_t rows, bool skewed) {
+  const int64_t experts = experts_for(s, rows);
+  const std::vector<int64_t> counts = routing_counts(experts, rows, skewed);
+  std::vector<int64_t> off(counts.size());
+  std::partial_sum(counts.begin(), counts.end(), off.begin());
+  const int64_t m = off.back();
+  const Tensor offsets = from_vector(std::vector<double>(off.begin(), off.end()), {experts}, {.dtype = DType::i64});
+  const Tensor x = randn({m, s.k}, RngKey(1, "x")), w = randn({experts, s.k, s.n}, RngKey(1, "w"));
+  const Tensor w_dense = w.select(0, 0);
+  std::vector<Tensor> xs, ws;
+  for (int64_t e = 0, start = 0; e < experts; start = off[size_t(e)], ++e) {
+    xs.push_back(x.narrow(0, start, counts[size_t(e)]));
+    ws.push_back(w.select(0, e));
+  }
+  auto grouped = [&] { benchmark::DoNotOptimize(grouped_mm(x, w, offsets).data_ptr()); };
+  auto dense = [&] { benchmark::DoNotOptimize(matmul(x, w_dense).data_ptr()); };
+  auto loop = [&] {
+    for (size_t e = 0; e < xs.size(); ++e)
+      if (xs[e].size(0) > 0) benchmark::DoNotOptimize(matmul(xs[e], ws[e]).data_ptr());
+  };
+  grouped(), dense(), loop();  // warm-up: first-touch of outputs, Eigen's blocking
+  double tg = 0, td = 0, tl = 0;
+  for (auto _ : state) {
+    const double g = seconds_of(grouped);
+    td += seconds_of(dense);
+    tl += seconds_of(loop);
+    tg += g;
+    state.SetIterationTime(g);
+  }
+  const double flops = 2.0 * double(m) * double(s.k) * double(s.n) * double(state.iterations());
+  state.counters["TFLOPs"] = flops / tg / 1e12;
+  state.counters["dense_TFLOPs"] = flops / td / 1e12;
+  state.counters["loop_TFLOPs"] = flops / tl / 1e12;
+  state.counters["vs_dense"] = td / tg;
+  state.counters["vs_loop"] = tl / tg;
+  state.counters["experts"] = double(experts);
+  state.counters["max_rows"] = double(*std::max_element(counts.begin(), counts.end()));
+  state.SetLabel(std::string(s.name) + (skewed ? " zipf" : " balanced"));
+}
+
+// ---- permute + combine bandwidth ----
+
+// Copies `bytes` with the OpenMP threads each taking a contiguous slice.
+void parallel_memcpy(char* dst, const char* src, size_t bytes) {
+#pragma omp parallel
+  {
+    const size_t t = size_t(omp_get_thread_num()), n = size_t(omp_get_num_threads());
+    const size_t b = bytes * t / n, e = bytes * (t + 1) / n;
+    std::memcpy(dst + b, src + b, e - b);
+  }
+}
+
+void BM_permute_unpermute(benchmark::State& state) {
+  const int64_t tokens = state.range(0), k = 8, h = 2048, experts = 128;  // Qwen3-30B-A3B's router
+  std::mt19937 rng(7);
+  std::vector<int64_t> all(static_cast<size_t>(experts));
+  std::iota(all.begin(), all.end(), 0);
+  std::vector<double> idx;
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::shuffle(all.begin(), all.end(), rng);
+    idx.insert(idx.end(), all.begin(), all.begin() + k);
+  }
+  const MoeRouting r = moe_route(from_vector(idx, {tokens, k}, {.dtype = DType::i64}), experts);
+  const Tensor x = randn({tokens, h}, RngKey(2, "x")), weights = rand({tokens, k}, RngKey(2, "w"));
+  Tensor y = moe_permute(x, r.order, k);
+  const size_t copy_bytes = y.nbytes();
+  std::vector<char> a(copy_bytes, 1), b(copy_bytes);
+  auto copy1 = [&] { std::memcpy(b.data(), a.data(), copy_bytes); benchmark::DoNotOptimize(b.data()); };
+  auto copyn = [&] { parallel_memcpy(b.data(), a.data(), copy_bytes); benchmark::DoNotOptimize(b.data()); };
+  auto permute = [&] { y = moe_permute(x, r.order, k); benchmark::DoNotOptimize(y.data_ptr()); };
+  auto combine = [&] { benchmark::DoNotOptimize(moe_unpermute(y, r.order, weights).data_ptr()); };
+  copy1(), copyn(), permute(), combine();
+  double tp = 0, tu = 0, t1 = 0, tn = 0;
+  for (auto _ : state) {
+    const double p = seconds_of(permute), u = seconds_of(combine);
+    t1 += seconds_of(copy1);
+    tn += seconds_of(copyn);
+    tp += p;
+    tu += u;
+    state.SetIterationTime(p + u);
+  }
+  const double it = double(state.iterations()), row = double(h) * double(x.element_size());
+  const double tk = double(tokens * k), tt = double(tokens);
+  const double perm_bytes = 2 * tk * row, comb_bytes = (tk + tt) * row;  // rows read + rows written
+  const double copy_gbps = std::max(2.0 * double(copy_bytes) * it / t1, 2.0 * double(copy_bytes) * it / tn) / 1e9;
+  state.counters["GBps"] = (perm_bytes + comb_bytes) * it / (tp + tu) / 1e9;
+  state.counters["permute_GBps"] = perm_bytes * it / tp / 1e9;
+  state.counters["combine_GBps"] = comb_bytes * it / tu / 1e9;
+  state.counters["copy_GBps"] = copy_gbps;
+  state.counters["memcpy1_GBps"] = 2.0 * double(copy_bytes) * it / t1 / 1e9;
+  state.counters["vs_copy"] = state.counters["GBps"] / copy_gbps;
+}
+
+const bool kRegistered = [] {
+  for (const ExpertShape& s : kShapes)
+    for (int64_t rows : kRowsPerExpert) {
+      // One DeepSeek expert at 1024 rows is 30 GFLOP (~0.4 s here per call, x3 baselines):
+      // past this suite's time budget; the Qwen shapes cover 1024 rows per expert.
+      if (s.k * s.n * rows > int64_t(8) << 30) continue;
+      for (bool skewed : {false, true}) {
+        const std::string name = std::string("BM_grouped_mm/") + s.name + "/rows:" + std::to_string(rows) +
+                                 (skewed ? "/zipf" : "/balanced");
+        benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& st) { BM_grouped_mm(st, s, rows, skewed); })
+            ->UseManualTime()
+            ->Iterations(3)
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  benchmark::RegisterBenchmark("BM_permute_unpermute", BM_permute_unpermute)
+      ->Arg(2048)
+      ->UseManualTime()
+      ->Iterations(5)
+      ->Unit(benchmark::kMillisecond);
+  return true;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();
