@@ -8,6 +8,7 @@ for b in matmul_bench elementwise_bench nn_bench; do
   echo "== $b"
   "$build/bench/$b" --benchmark_min_time="$min_time"
 done
+echo "== grouped_gemm_bench"; "$build/bench/grouped_gemm_bench"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for np in 2 4; do
   echo "== collectives_bench, $np ranks"
@@ -16,3 +17,10 @@ for np in 2 4; do
 done
 echo "== trainer layouts (fsdp2 vs ddp at 4 ranks, memory vs one rank)"
 bash "$(dirname "$0")/parallel/layouts.sh" "$build"
+echo "== MoE trainer layouts (moe_tiny at 1, 2, 4 ranks, with and without ep)"
+bash "$(dirname "$0")/parallel/moe_layouts.sh" "$build"
+for np in 2 4; do
+  echo "== ep_dispatch_bench, $np ranks"
+  mpiexec -n "$np" --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 --mca mpi_yield_when_idle 1 \
+    "$build/bench/ep_dispatch_bench" --benchmark_min_time=0.05
+done

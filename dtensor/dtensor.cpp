@@ -188,4 +188,12 @@ bool has_placements(const Tensor& x, const Placements& placements) {
   return normalize_placements(placements, x.dim(), "has_placements") == x.dist_spec()->placements;
 }
 
+Tensor local_view(const Tensor& param) {
+  if (!param.is_distributed()) return param;
+  Placements grad = placements_of(param);
+  for (Placement& pl : grad)
+    if (pl.is_replicate()) pl = Partial();
+  return to_local(param, grad);
+}
+
 }  // namespace quilt

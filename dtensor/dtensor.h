@@ -38,6 +38,12 @@ Tensor from_local(const Tensor& local, const DeviceMesh& mesh, const Placements&
 /// the shard of a distributed gradient placed by `grad_placements` (default: x's placements).
 Tensor to_local(const Tensor& x, const std::optional<Placements>& grad_placements = std::nullopt);
 
+/// A parameter as a computation on this rank's local tensors uses it: a plain one as it is, a
+/// distributed one as its shard (to_local), whose gradient arrives as the shard of the
+/// gradient on sharded axes and as a Partial(sum) on replicated axes — the local computation
+/// saw only this rank's part of the work (e.g. its tensor-parallel heads), so the replicas'
+/// gradients are parts of one sum, which the gradient's redistribution adds up.
+Tensor local_view(const Tensor& param);
 /// The global value as a plain tensor on every rank (all-gathers and all-reduces as needed).
 Tensor full_tensor(const Tensor& x);
 

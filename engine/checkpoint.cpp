@@ -31,6 +31,20 @@ struct SelectiveScope {
   bool on_;
 };
 
+// Every region this thread is in, for checkpoint_keep(): recording each call's outputs (first
+// forward) or replaying them (recomputation), in every mode.
+struct Keep {
+  Selective::Phase phase;
+  std::vector<std::vector<Tensor>>* calls;
+  size_t next = 0;
+};
+thread_local std::vector<Keep> t_keep;
+
+struct KeepScope {
+  KeepScope(Selective::Phase phase, std::vector<std::vector<Tensor>>* calls) { t_keep.push_back({phase, calls, 0}); }
+  ~KeepScope() { t_keep.pop_back(); }
+};
+
 // A linear whose output is already known (kept by the first forward). Composite: its forward
 // returns the kept tensor whatever the layout, and its backward — the gradients of x @ w^T +
 // bias — runs ops, so distributed inputs route through the dispatcher there.
@@ -77,6 +91,7 @@ class Checkpoint final : public Primitive {
     counter_ = gen_->counter();
     NoGradGuard ng;
     SelectiveScope scope(Selective::Phase::record, &kept_, selective_);
+    KeepScope keep(Selective::Phase::record, &kept_values_);
     std::vector<Tensor> outs = fn_(user_inputs(in));
     for (Tensor& o : outs) {
       QUILT_CHECK(o.defined(), "[checkpoint] the function returned an undefined tensor");
@@ -109,8 +124,10 @@ class Checkpoint final : public Primitive {
       gen_->set_counter(counter_);
       try {
         SelectiveScope scope(Selective::Phase::replay, &kept_, selective_);
+        KeepScope keep(Selective::Phase::replay, &kept_values_);
         outs = fn_(leaves);
         kept_.clear();
+        kept_values_.clear();
       } catch (...) {
         gen_->set_counter(now);
         throw;
@@ -146,6 +163,7 @@ class Checkpoint final : public Primitive {
   bool anchored_;
   bool selective_;
   std::vector<Tensor> kept_;  // save_matmuls: linear outputs of the first forward, in call order
+  std::vector<std::vector<Tensor>> kept_values_;  // checkpoint_keep() outputs of the first forward, per call
   uint64_t counter_ = 0;
   std::vector<bool> wants_grad_;
 };
@@ -188,5 +206,21 @@ Tensor checkpointable_linear(const Tensor& x, const Tensor& w, const Tensor& bia
   if (bias.defined()) in.push_back(bias);
   return apply1(std::make_shared<KeptLinear>(kept), in);
 }
+
+std::vector<Tensor> checkpoint_keep(const std::function<std::vector<Tensor>()>& fn) {
+  if (t_keep.empty()) return fn();
+  Keep& k = t_keep.back();
+  if (k.phase == Selective::Phase::record) {
+    std::vector<Tensor> outs = fn();
+    std::vector<Tensor>& kept = k.calls->emplace_back();
+    for (const Tensor& t : outs) kept.push_back(t.defined() ? t.detach() : Tensor());
+    return outs;
+  }
+  QUILT_CHECK(k.next < k.calls->size(), "[checkpoint] the recomputation asked for more kept values (call ", k.next + 1,
+              ") than the forward kept (", k.calls->size(), " calls)");
+  return (*k.calls)[k.next++];
+}
+
+bool in_checkpoint_recompute() { return !t_keep.empty() && t_keep.back().phase == Selective::Phase::replay; }
 
 }  // namespace quilt

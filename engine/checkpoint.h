@@ -45,4 +45,14 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& input, 
 /// still gives the gradients of x, w and bias (nn::Linear calls this).
 Tensor checkpointable_linear(const Tensor& x, const Tensor& w, const Tensor& bias);
 
+/// Values a checkpointed region must not recompute (an MoE router's choice of experts, so the
+/// recomputed token dispatch is the forward's): inside a region of any mode, the first forward
+/// runs fn and keeps its outputs (detached); the recomputation returns the kept ones, in call
+/// order, without running fn. Outside a region: fn().
+std::vector<Tensor> checkpoint_keep(const std::function<std::vector<Tensor>()>& fn);
+
+/// True while this thread recomputes a checkpointed region (state that a forward updates, like
+/// an MoE router's token counts, must not be updated twice).
+bool in_checkpoint_recompute();
+
 }  // namespace quilt

@@ -114,6 +114,8 @@ Meshes ParallelDims::build_meshes(std::shared_ptr<Communicator> world) const {
   // The MoE mesh lies over the ranks of this rank's tp coordinate, in main-mesh order.
   DeviceMesh slice = m.main.sub({"pp", "dp_replicate", "dp_shard", "cp"});
   m.moe = DeviceMesh(slice.comm().shared_from_this(), {pp(), ep_shard(), ep()}, kMoeAxes);
+  if (ep() > 1 && tp() > 1)
+    m.moe_tp = DeviceMesh(world, {pp(), ep_shard(), ep(), tp()}, {"pp", "ep_shard", "ep", "tp"});
   // HSDP's two meshes (FSDP over dp_shard[_cp], replicas over dp_replicate), also built up front.
   m.sub({"dp_replicate", "dp_shard"});
   m.sub({"dp_replicate", "dp_shard_cp"});

@@ -96,6 +96,11 @@ struct Meshes {
   /// ep ranks consecutive in (dp_replicate, dp_shard, cp) order with one pp and tp coordinate.
   /// Its ranks() are ranks of that tp slice's communicator, not of the world.
   DeviceMesh moe;
+  /// (pp, ep_shard, ep, tp) over the world, built only when ep and tp are both > 1: the MoE
+  /// mesh with the tp axis beside it, so that experts can be cut over ep and tp at once (their
+  /// mesh is sub({"ep", "tp"}) of it) and FSDP-sharded over its ep_shard axis. The ranks of a
+  /// main-mesh (dp_replicate, dp_shard, cp) position run in (ep_shard, ep) order, as in `moe`.
+  DeviceMesh moe_tp;
 
   /// The 1-D mesh called `name` (a main or MoE axis, or a flattened view; see above); throws
   /// listing the names when unknown. No communication.

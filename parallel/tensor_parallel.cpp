@@ -41,14 +41,13 @@ Tensor lay_out(const Tensor& x, const Placement& desired, bool local) {
   return local ? to_local(y) : y;
 }
 
-// Puts a distributed copy of the parameter `local_name` of `m` into its slot.
 void distribute_param(Module& m, const std::string& module_name, const std::string& local_name,
-                      const DeviceMesh& mesh, const Placement& placement) {
+                      const DeviceMesh& mesh, const Placement& placement, const char* op = "apply_tp") {
   if (!m.has_parameter(local_name)) return;
   const Tensor p = m.parameter(local_name);
   if (!p.defined()) return;  // an optional parameter left out (no bias)
-  QUILT_CHECK(!p.is_distributed(), "[apply_tp] ", shown(module_name), ".", local_name, " is already distributed (",
-              mesh_of(p).str(), "); apply tensor parallelism once, before data parallelism");
+  QUILT_CHECK(!p.is_distributed(), "[", op, "] ", shown(module_name), ".", local_name, " is already distributed (",
+              mesh_of(p).str(), "); apply tensor and expert parallelism once each, before data parallelism");
   Tensor d;
   if (is_deferred(p)) {
     // Built under DeferredInitGuard: the shard stays without storage until FSDP allocates it.
@@ -194,6 +193,11 @@ void apply_tp(Module& root, const DeviceMesh& tp_mesh, const TensorParallelPlan&
       Module& m = root.submodule(name);
       std::visit([&](const auto& s) { apply_style(m, name, tp_mesh, s); }, plan.entries[i].second);
     }
+}
+
+void distribute_parameter(Module& m, const std::string& module_name, const std::string& local_name,
+                          const DeviceMesh& mesh, const Placement& placement, const char* op) {
+  distribute_param(m, module_name, local_name, mesh, placement, op);
 }
 
 }  // namespace quilt

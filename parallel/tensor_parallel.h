@@ -104,4 +104,10 @@ const char* style_name(const ParallelStyle& style);
 /// parameters are already distributed.
 void apply_tp(Module& root, const DeviceMesh& tp_mesh, const TensorParallelPlan& plan);
 
+/// Puts a distributed copy of parameter `local_name` of `m` (`module_name` in messages) into
+/// its slot, placed by `placement` on the 1-D `mesh`; one built under DeferredInitGuard stays
+/// without storage. Refuses a parameter that is already distributed, naming it and `op`.
+void distribute_parameter(Module& m, const std::string& module_name, const std::string& local_name,
+                          const DeviceMesh& mesh, const Placement& placement, const char* op = "apply_tp");
+
 }  // namespace quilt

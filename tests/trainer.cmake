@@ -63,3 +63,37 @@ add_test(NAME "trainer: a bad value stops train before work, naming the key"
   COMMAND sh -c "out=$(\"$0\" train --config \"$1\" --set train.steps=abc 2>&1); rc=$?; echo \"$out\"; \
 [ $rc -ne 0 ] && echo \"$out\" | grep -q 'train.steps' && ! echo \"$out\" | grep -q 'step: 1'"
   $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/llama_tiny.yaml)
+# Mixture of experts (recipes/moe_tiny.yaml, shrunk): every layout follows the one-rank curve.
+quilt_trainer_test("moe: ep 2 follows the one-rank loss curve" moe_equivalence ep2 2 --set distributed.ep_size=2)
+quilt_trainer_test("moe: ep 4 follows the one-rank loss curve" moe_equivalence ep4 4 --set distributed.ep_size=4)
+quilt_trainer_test("moe: ep 2 x ep_shard 2 (experts FSDP-sharded) follows the one-rank loss curve" moe_equivalence
+  ep2x2 4 --set distributed.ep_size=2)
+quilt_trainer_test("moe: ep 2 with full AC keeping the routing follows the one-rank loss curve" moe_equivalence ep2ac 2
+  --set distributed.ep_size=2 --set distributed.activation_checkpointing=true)
+quilt_trainer_test("moe: fsdp 4 without ep follows the one-rank loss curve" moe_equivalence fsdp4 4)
+quilt_trainer_test("moe: fsdp 2 x tp 2 with sequence parallel follows the one-rank loss curve" moe_equivalence tp2 4
+  --set distributed.tp_size=2 --set distributed.sequence_parallel=true)
+quilt_trainer_test("moe: HF export writes one tensor per expert, which loads back under ep 4 bit-identically" moe_export)
+# The seed's MoE rules, refused before work and naming the keys (and the moe: section warned
+# about without expert parallelism).
+function(quilt_moe_rule_test name expect)
+  add_test(NAME "trainer: moe rule: ${name}"
+    COMMAND sh -c "q=$0; r=$1; e=$2; shift 2; out=$(\"$q\" config check --config \"$r\" --world 4 \"$@\" 2>&1); rc=$?; \
+echo \"$out\" | tail -3; [ $rc -ne 0 ] && echo \"$out\" | grep -qF \"$e\""
+      $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/moe_tiny.yaml "${expect}" ${ARGN})
+endfunction()
+quilt_moe_rule_test("ep_size must divide dp * cp" "ep_size 3 does not divide dp_size * cp_size" --set distributed.ep_size=3)
+quilt_moe_rule_test("num_experts must divide by ep_size" "model.num_experts 6 is not divisible by distributed.ep_size 4"
+  --set model.num_experts=6 --set distributed.ep_size=4)
+quilt_moe_rule_test("ddp refuses ep" "strategy ddp replicates the whole model" --set distributed.strategy=ddp
+  --set distributed.ep_size=2)
+quilt_moe_rule_test("megatron_fsdp refuses ep" "strategy megatron_fsdp does not support ep_size=2"
+  --set distributed.strategy=megatron_fsdp --set distributed.ep_size=2)
+quilt_moe_rule_test("ep needs an MoE model" "needs a mixture-of-experts model" --set model.num_experts=0
+  --set distributed.ep_size=2)
+add_test(NAME "trainer: moe rule: a moe: section without ep is warned about, naming the key"
+  COMMAND sh -c "\"$0\" config check --config \"$1\" --world 4 --set distributed.moe.reshard_after_forward=true 2>&1 | \
+grep -qF 'distributed.moe.reshard_after_forward is ignored: distributed.moe applies only with ep_size > 1'"
+  $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/moe_tiny.yaml)
+quilt_trainer_test("moe: ep 2 x tp 2 with sequence parallel follows the one-rank loss curve" moe_equivalence ep2tp2 4
+  --set distributed.ep_size=2 --set distributed.tp_size=2 --set distributed.sequence_parallel=true)

@@ -91,7 +91,10 @@ void export_consolidated(Run& r, const std::string& root) {
     const fs::path out = fs::path(root) / "hf";
     fs::create_directories(out);
     const std::string all_path = (out / "model.all.safetensors").string();
-    dtensor::export_consolidated(src, all_path);
+    // Grouped experts go out as HF's one tensor per expert.
+    std::vector<dtensor::StackedName> stacks;
+    for (const ExpertStack& e : expert_stacks(*r.model)) stacks.push_back({"model." + e.name, "model." + e.pattern, e.count});
+    dtensor::export_consolidated(src, all_path, uint64_t(5) << 30, stacks);
     SafetensorsFile all = load_safetensors(all_path, {.mmap = false});
     std::vector<std::pair<std::string, Tensor>> model;
     for (const std::string& name : all.names)

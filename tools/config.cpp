@@ -49,17 +49,29 @@ const char* float_dtype_name(DType d) {
   }
 }
 
+bool ModelConfig::is_sparse_layer(int64_t layer) const {
+  if (num_experts <= 0 || layer < first_k_dense_replace || (layer + 1) % std::max<int64_t>(1, decoder_sparse_step) != 0)
+    return false;
+  return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
+}
+
 int64_t ModelConfig::num_parameters() const {
   const int64_t h = hidden_size, hd = head_dimension();
   const int64_t attn = h * num_attention_heads * hd * 2 + h * kv_heads() * hd * 2;  // q, o and k, v
-  const int64_t mlp = 3 * h * intermediate_size;                                   // gate, up, down
-  const int64_t layer = attn + mlp + 2 * h;                                         // + two RMSNorms
-  return vocab_size * h * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * layer + h;
+  const bool qk = qk_norm.value_or(model_type != "llama");
+  int64_t total = vocab_size * h * (tie_word_embeddings ? 1 : 2) + h;
+  for (int64_t l = 0; l < num_hidden_layers; ++l) {
+    int64_t mlp = 3 * h * intermediate_size;  // gate, up, down
+    if (is_sparse_layer(l))                   // router, routed and shared experts
+      mlp = num_experts * h + 3 * h * moe_intermediate_size * (num_experts + n_shared_experts);
+    total += attn + mlp + 2 * h + (qk ? 2 * hd : 0);  // + two RMSNorms (+ q/k norms)
+  }
+  return total;
 }
 
 namespace {
 
-const std::vector<std::string> kModelTypes = {"llama"};
+const std::vector<std::string> kModelTypes = {"llama", "qwen3", "qwen3_moe"};
 
 std::string join(const std::vector<std::string>& items, const char* sep = ", ") {
   std::string out;
@@ -364,6 +376,35 @@ struct Str {
 };
 
 // One of `names`; the error lists them all.
+// A list of integers >= min: [1, 3] (a YAML sequence), or [] for none.
+struct IntList {
+  using type = std::vector<int64_t>;
+  int64_t min;
+  void read(type& out, const YAML::Node& n, const std::string& k, const Context& c) const {
+    // A flow list may also come as one scalar (an --set value, a config.json array).
+    YAML::Node seq = n;
+    if (n.IsScalar() && !n.Scalar().empty() && n.Scalar().front() == '[') {
+      try {
+        seq = YAML::Load(n.Scalar());
+      } catch (const YAML::Exception&) {
+        bad_type(c, k, n, "a list of integers like [1, 3]");
+      }
+    }
+    if (!seq.IsSequence()) bad_type(c, k, n, "a list of integers like [1, 3]");
+    out.clear();
+    for (size_t i = 0; i < seq.size(); ++i) {
+      int64_t v = 0;
+      Int{min}.read(v, seq[i], k + "[" + std::to_string(i) + "]", c);
+      out.push_back(v);
+    }
+  }
+  Item write(const type& v) const {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return scalar(s + "]");
+  }
+};
+
 struct Choice {
   using type = std::string;
   std::vector<std::string> names;
@@ -509,6 +550,22 @@ const Table<ModelConfig>& model_table() {
       field("initializer_range", &M::initializer_range, Real{0, true}, "std of the random init"),
       field("pretrained", &M::pretrained, Opt<Str>{{"a directory with HF config.json and model.safetensors"}},
             "HF checkpoint directory to start from (config.json + model.safetensors[.index.json]); none: random"),
+      field("qk_norm", &M::qk_norm, Opt<Bool>{}, "RMSNorm of each head's q and k; none: qwen3* yes, llama no"),
+      field("num_experts", &M::num_experts, Int{0}, "routed experts of an MoE layer; 0: dense"),
+      field("num_experts_per_tok", &M::num_experts_per_tok, Int{1}, "experts each token is routed to (top-k)"),
+      field("moe_intermediate_size", &M::moe_intermediate_size, Int{0}, "width of each expert's MLP"),
+      field("norm_topk_prob", &M::norm_topk_prob, Bool{}, "renormalise the k chosen scores"),
+      field("decoder_sparse_step", &M::decoder_sparse_step, Int{1}, "layer i is MoE when (i + 1) % step == 0"),
+      field("mlp_only_layers", &M::mlp_only_layers, IntList{0}, "layers kept dense"),
+      field("first_k_dense_replace", &M::first_k_dense_replace, Int{0}, "the first k layers stay dense"),
+      field("scoring_func", &M::scoring_func, Choice{{"softmax", "sigmoid"}}, "router scores"),
+      field("n_group", &M::n_group, Int{1}, "group-limited routing: expert groups"),
+      field("topk_group", &M::topk_group, Int{1}, "groups a token may use"),
+      field("routed_scaling_factor", &M::routed_scaling_factor, Real{0, true}, "scale of the routed sum"),
+      field("n_shared_experts", &M::n_shared_experts, Int{0}, "shared experts (one dense SwiGLU) per MoE layer"),
+      field("score_correction_bias", &M::score_correction_bias, Bool{}, "routers carry e_score_correction_bias"),
+      field("load_balance_coeff", &M::load_balance_coeff, Real{0, false}, "aux-loss-free bias step; 0: off"),
+      field("router_aux_loss_coef", &M::router_aux_loss_coef, Real{0, false}, "sequence-level balance loss; 0: off"),
   }, [](const ModelConfig& m) {
     QUILT_CHECK(m.num_attention_heads % m.kv_heads() == 0, "[config] model.num_attention_heads ",
                 m.num_attention_heads, " is not divisible by model.num_key_value_heads ", m.kv_heads(),
@@ -516,6 +573,19 @@ const Table<ModelConfig>& model_table() {
     QUILT_CHECK(m.head_dim || m.hidden_size % m.num_attention_heads == 0, "[config] model.hidden_size ",
                 m.hidden_size, " is not divisible by model.num_attention_heads ", m.num_attention_heads,
                 "; set model.head_dim explicitly");
+    if (m.num_experts > 0) {
+      QUILT_CHECK(m.moe_intermediate_size > 0, "[config] model.num_experts ", m.num_experts,
+                  " needs model.moe_intermediate_size > 0");
+      QUILT_CHECK(m.num_experts_per_tok <= m.num_experts, "[config] model.num_experts_per_tok ",
+                  m.num_experts_per_tok, " exceeds model.num_experts ", m.num_experts);
+      QUILT_CHECK(m.num_experts % m.n_group == 0, "[config] model.n_group ", m.n_group,
+                  " does not divide model.num_experts ", m.num_experts);
+      QUILT_CHECK(m.topk_group <= m.n_group, "[config] model.topk_group ", m.topk_group, " exceeds model.n_group ",
+                  m.n_group);
+      for (int64_t l : m.mlp_only_layers)
+        QUILT_CHECK(l < m.num_hidden_layers, "[config] model.mlp_only_layers names layer ", l,
+                    " but the model has ", m.num_hidden_layers, " layers");
+    }
   }};
   return t;
 }
@@ -572,7 +642,6 @@ const Table<TrainConfig>& train_table() {
 }
 
 constexpr const char* kNoPipeline = "pipeline parallelism is not implemented yet";
-constexpr const char* kNoExperts = "expert parallelism is not implemented yet";
 
 const Table<PipelineConfig>& pipeline_table() {
   using P = PipelineConfig;
@@ -588,9 +657,11 @@ const Table<PipelineConfig>& pipeline_table() {
 const Table<MoeConfig>& moe_table() {
   using E = MoeConfig;
   static const Table<E> t{{
-      field("reshard_after_forward", &E::reshard_after_forward, Bool{}, "expert FSDP units reshard", kNoExperts),
-      field("ignore_router_for_ac", &E::ignore_router_for_ac, Bool{}, "keep router outputs under AC", kNoExperts),
-      field("wrap_outer_model", &E::wrap_outer_model, Bool{}, "FSDP-wrap the non-expert rest", kNoExperts),
+      field("reshard_after_forward", &E::reshard_after_forward, Bool{}, "ep > 1: expert FSDP units reshard"),
+      field("ignore_router_for_ac", &E::ignore_router_for_ac, Bool{},
+            "ep > 1: AC recomputation reuses the router's choice of experts"),
+      field("wrap_outer_model", &E::wrap_outer_model, Bool{},
+            "ep > 1: the embedding and final norm one FSDP unit apart from the head"),
   }};
   return t;
 }
@@ -769,6 +840,13 @@ RecipeConfig parse_tree(YAML::Node root, const std::vector<std::string>& overrid
   for (const Leaf& l : leaves(cfg))
     if (l.ignored && std::find(defaults.begin(), defaults.end(), l) == defaults.end())
       cfg.warnings.push_back("[config] " + l.key + " is ignored: " + l.ignored);
+  // The seed's rule: distributed.moe applies with expert parallelism only.
+  if (cfg.distributed.ep_size == 1) {
+    const std::vector<Leaf> mine = leaves(cfg), base = leaves(RecipeConfig{});
+    for (const Leaf& l : mine)
+      if (l.key.rfind("distributed.moe.", 0) == 0 && std::find(base.begin(), base.end(), l) == base.end())
+        cfg.warnings.push_back("[config] " + l.key + " is ignored: distributed.moe applies only with ep_size > 1");
+  }
   return cfg;
 }
 
@@ -847,7 +925,9 @@ std::vector<std::string> model_config_mismatches(const ModelConfig& recipe, cons
   static const std::vector<std::string> kCompared = {
       "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
       "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "vocab_size", "tie_word_embeddings",
-      "max_position_embeddings"};
+      "max_position_embeddings", "model_type", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "scoring_func", "n_group",
+      "topk_group", "routed_scaling_factor", "n_shared_experts"};
   YAML::Node given(YAML::NodeType::Map);
   for (const std::string& k : kCompared)
     if (hf.contains(k)) given[k] = json_to_yaml(hf[k]);
@@ -897,6 +977,13 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
     QUILT_CHECK(dims.pp() <= m.num_hidden_layers, "[config] distributed.pp_size ", dims.pp(),
                 " exceeds model.num_hidden_layers ", m.num_hidden_layers,
                 " (every pipeline stage needs at least one layer)");
+  }
+  if (m.num_experts > 0) {
+    QUILT_CHECK(m.num_experts % dims.ep() == 0, "[config] model.num_experts ", m.num_experts,
+                " is not divisible by distributed.ep_size ", dims.ep());
+  } else {
+    QUILT_CHECK(dims.ep() == 1, "[config] distributed.ep_size ", dims.ep(),
+                " needs a mixture-of-experts model (model.num_experts > 0)");
   }
   // Tensor parallelism splits attention by whole heads.
   QUILT_CHECK(m.num_attention_heads % dims.tp() == 0, "[config] model.num_attention_heads ", m.num_attention_heads,

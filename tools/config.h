@@ -36,7 +36,7 @@ struct RopeParameters {
 
 /// model: a decoder described with Hugging Face config.json names.
 struct ModelConfig {
-  std::string model_type = "llama";
+  std::string model_type = "llama";  // llama | qwen3 | qwen3_moe
   int64_t hidden_size = 128;
   int64_t intermediate_size = 384;
   int64_t num_hidden_layers = 4;
@@ -51,13 +51,33 @@ struct ModelConfig {
   int64_t max_position_embeddings = 2048;
   double initializer_range = 0.02;
   std::optional<std::string> pretrained;  // none: random init; else a dir with HF config.json + model.safetensors
+  std::optional<bool> qk_norm;            // none: as model_type has it (qwen3*: true)
+  // Mixture of experts (Qwen3-MoE names, DeepSeek-V3 router options); num_experts 0: dense.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 2;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = true;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  int64_t first_k_dense_replace = 0;
+  std::string scoring_func = "softmax";   // softmax | sigmoid
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  int64_t n_shared_experts = 0;
+  bool score_correction_bias = false;     // e_score_correction_bias (on with load_balance_coeff)
+  double load_balance_coeff = 0.0;        // aux-loss-free balancing step per optimizer step; 0: off
+  double router_aux_loss_coef = 0.0;      // sequence-level balance loss; 0: off
 
   /// num_key_value_heads, or num_attention_heads when it is none.
   int64_t kv_heads() const { return num_key_value_heads.value_or(num_attention_heads); }
   /// head_dim, or hidden_size / num_attention_heads when it is none.
   int64_t head_dimension() const { return head_dim.value_or(hidden_size / num_attention_heads); }
-  /// Parameters of a Llama decoder of this shape (embedding, layers, final norm, untied head).
+  /// Parameters of a decoder of this shape (embedding, layers with their dense or MoE MLPs,
+  /// final norm, untied head).
   int64_t num_parameters() const;
+  /// True when decoder layer `layer` has an MoE MLP (the rule of LlamaConfig::is_sparse_layer).
+  bool is_sparse_layer(int64_t layer) const;
 };
 
 /// How token shards are laid out on disk.

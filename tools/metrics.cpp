@@ -34,7 +34,9 @@ std::string step_line(const StepMetrics& m) {
                         static_cast<long long>(m.step), m.loss, m.grad_norm, m.memory_gib, with_commas(m.tps).c_str(),
                         m.tflops, m.mfu * 100);
   if (m.gather_wait_s >= 0 && n > 0 && size_t(n) < sizeof line)
-    std::snprintf(line + n, sizeof line - size_t(n), "  gather_wait: %.1fms", m.gather_wait_s * 1e3);
+    n += std::snprintf(line + n, sizeof line - size_t(n), "  gather_wait: %.1fms", m.gather_wait_s * 1e3);
+  if (m.moe_load > 0 && n > 0 && size_t(n) < sizeof line)
+    std::snprintf(line + n, sizeof line - size_t(n), "  moe_load: %.2f", m.moe_load);
   return line;
 }
 
@@ -50,6 +52,7 @@ void MetricsLog::step(const StepMetrics& m, bool print) {
   nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"grad_norm", m.grad_norm}, {"lr", m.lr},
                       {"tps", m.tps}, {"tflops", m.tflops}, {"mfu", m.mfu}, {"memory_gib", m.memory_gib}};
   if (m.gather_wait_s >= 0) j["gather_wait_s"] = m.gather_wait_s;
+  if (m.moe_load > 0) j["moe_load"] = m.moe_load;
   if (m.skipped) j["skipped"] = true;
   jsonl_ << j.dump() << "\n";
   jsonl_.flush();

@@ -37,6 +37,23 @@ LlamaConfig llama_config(const ModelConfig& m) {
   c.tie_word_embeddings = m.tie_word_embeddings;
   c.max_position_embeddings = m.max_position_embeddings;
   c.initializer_range = m.initializer_range;
+  c.model_type = m.model_type;
+  c.qk_norm = m.qk_norm.value_or(m.model_type != "llama");
+  c.num_experts = m.num_experts;
+  c.num_experts_per_tok = m.num_experts_per_tok;
+  c.moe_intermediate_size = m.moe_intermediate_size;
+  c.norm_topk_prob = m.norm_topk_prob;
+  c.decoder_sparse_step = m.decoder_sparse_step;
+  c.mlp_only_layers = m.mlp_only_layers;
+  c.first_k_dense_replace = m.first_k_dense_replace;
+  c.scoring_func = m.scoring_func;
+  c.n_group = m.n_group;
+  c.topk_group = m.topk_group;
+  c.routed_scaling_factor = m.routed_scaling_factor;
+  c.n_shared_experts = m.n_shared_experts;
+  c.score_correction_bias = m.score_correction_bias;
+  c.load_balance_coeff = m.load_balance_coeff;
+  c.router_aux_loss_coef = m.router_aux_loss_coef;
   c.validate();
   return c;
 }

@@ -34,13 +34,17 @@ StepMetrics train_step(Run& r) {
   m.lr = r.sched->lr_at(r.opt->step_count());
   r.opt->set_lr(m.lr);
   const double waited = r.dp.fsdp ? r.dp.fsdp->all_gather_wait_seconds() : 0;
-  m.loss = r.step->run(r.loader->next_step());
+  const std::vector<Batch> batches = r.loader->next_step();
+  set_moe_aux_loss_scale(*r.model, 1.0 / double(std::max<size_t>(1, batches.size())));
+  m.loss = r.step->run(batches);
   if (r.dp.fsdp) m.gather_wait_s = r.dp.fsdp->all_gather_wait_seconds() - waited;
   m.grad_norm = dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY)).item<double>();
   m.skipped = !(std::isfinite(m.loss) && std::isfinite(m.grad_norm));
   if (!m.skipped) r.opt->step();
   else log_line("step ", r.step_count + 1, ": non-finite ", std::isfinite(m.loss) ? "gradient norm" : "loss", ", step skipped on every rank");
   r.opt->zero_grad();
+  // Aux-loss-free balancing: once per optimizer step, from the step's global expert load.
+  m.moe_load = update_moe_load_balance(*r.model);
   m.step = ++r.step_count;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = double(r.cfg.train.global_batch_size * r.cfg.train.seq_len);

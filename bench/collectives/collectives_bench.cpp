@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/collectives/mpi_bench.h"
 #include "collectives/launch.h"
 #include "engine/engine.h"
 
@@ -66,10 +67,6 @@ MPI_Datatype raw_type(DType dt) {
     case DType::i64: return MPI_INT64_T;
     default: return MPI_DATATYPE_NULL;
   }
-}
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Buffers of one benchmark: `count` elements in total, divisible by the world size.
@@ -141,28 +138,11 @@ void bench(benchmark::State& state, Op op) {
   double ours_total = 0, raw_total = 0;
   bool raw_first = false;
   for (auto _ : state) {
-    // Alternate which call goes first so neither always inherits the other's cache state.
-    double t_raw = 0;
-    if (raw && raw_first) {
-      const double t = now_s();
-      run_raw(op, b, c.rank(), n);
-      t_raw = now_s() - t;
-    }
-    const double t0 = now_s();
-    run_quilt(c, op, b);
-    const double t_ours = now_s() - t0;
-    if (raw && !raw_first) {
-      const double t = now_s();
-      run_raw(op, b, c.rank(), n);
-      t_raw = now_s() - t;
-    }
-    raw_first = !raw_first;
-    // The slowest rank's times, identical everywhere, so all ranks agree on the iteration count.
-    double times[2] = {t_ours, t_raw};
-    MPI_Allreduce(MPI_IN_PLACE, times, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    state.SetIterationTime(times[0]);
-    ours_total += times[0];
-    raw_total += times[1];
+    const auto [t_ours, t_raw] = time_against_raw(
+        raw_first, raw, [&] { run_quilt(c, op, b); }, [&] { run_raw(op, b, c.rank(), n); });
+    state.SetIterationTime(t_ours);
+    ours_total += t_ours;
+    raw_total += t_raw;
   }
   const double iters = double(state.iterations());
   const double algbw = bytes * iters / ours_total / 1e9;
@@ -176,12 +156,6 @@ void bench(benchmark::State& state, Op op) {
   }
 }
 
-// Other ranks run every benchmark but print nothing.
-class NullReporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
 
 // Removes "--name=value" from argv and returns the value (or `fallback`).
 std::string take_flag(int& argc, char** argv, const std::string& name, const std::string& fallback) {
@@ -233,12 +207,7 @@ int main(int argc, char** argv) {
     b->ArgName("bytes")->UseManualTime()->Unit(benchmark::kMicrosecond);
   }
   log_line("collectives bench: ", c.size(), " ranks, backend ", c.backend(), ", dtype ", dtype_name(g_cfg.dtype));
-  if (c.rank() == 0) {
-    benchmark::RunSpecifiedBenchmarks();
-  } else {
-    NullReporter null;
-    benchmark::RunSpecifiedBenchmarks(&null);
-  }
+  run_benchmarks_on_rank0(c.rank());
   benchmark::Shutdown();
   finalize();
   return 0;

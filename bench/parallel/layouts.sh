@@ -4,17 +4,8 @@
 # model for the memory ratio. Per layout: median tokens/s and median all-gather wait per step
 # over the steps after warm-up, and the largest per-step peak of host memory on rank 0.
 # Usage: bench/parallel/layouts.sh BUILD [STEPS]
-set -euo pipefail
-build=${1:-build}
-steps=${2:-30}
-warm=5
-quilt=$build/bin/quilt
-data=$build/data/fortunes
-[ -f "$data/train_000000.bin" ] || "$quilt" data prepare --input /usr/share/games/fortunes --output "$data" > /dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-mpi=(mpiexec --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 --mca mpi_yield_when_idle 1)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+default_steps=30
+source "$(dirname "$0")/common.sh"
 common=(--config recipes/llama_tiny.yaml --set "data.path=$data/train_*.bin" --set data.val_path=none
         --set train.eval_every=0 --set "train.steps=$steps" --set logging.every_steps=1000)
 # hidden 512, 4 layers, intermediate 1376, 8 heads / 4 kv, seq 256: 12.5M parameters.

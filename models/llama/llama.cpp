@@ -3,9 +3,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <set>
 
 #include "dtensor/checkpoint.h"
+#include "dtensor/dtensor.h"
 #include "engine/engine.h"
 
 namespace quilt {
@@ -41,6 +45,31 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
   get("tie_word_embeddings", c.tie_word_embeddings);
   get("max_position_embeddings", c.max_position_embeddings);
   get("initializer_range", c.initializer_range);
+  get("model_type", c.model_type);
+  QUILT_CHECK(c.model_type == "llama" || c.model_type == "qwen3" || c.model_type == "qwen3_moe",
+              "[llama config] model_type '", c.model_type, "' is not supported (llama, qwen3, qwen3_moe)");
+  c.qk_norm = c.model_type != "llama";
+  get("qk_norm", c.qk_norm);
+  get("n_routed_experts", c.num_experts);
+  get("num_experts", c.num_experts);
+  get("num_experts_per_tok", c.num_experts_per_tok);
+  get("moe_intermediate_size", c.moe_intermediate_size);
+  get("norm_topk_prob", c.norm_topk_prob);
+  get("decoder_sparse_step", c.decoder_sparse_step);
+  get("mlp_only_layers", c.mlp_only_layers);
+  get("first_k_dense_replace", c.first_k_dense_replace);
+  get("scoring_func", c.scoring_func);
+  get("n_group", c.n_group);
+  get("topk_group", c.topk_group);
+  get("routed_scaling_factor", c.routed_scaling_factor);
+  get("n_shared_experts", c.n_shared_experts);
+  std::string topk_method;
+  get("topk_method", topk_method);
+  c.score_correction_bias = topk_method == "noaux_tc";
+  // HF applies its router loss only when output_router_logits is set.
+  bool router_logits = false;
+  get("output_router_logits", router_logits);
+  if (router_logits) get("router_aux_loss_coef", c.router_aux_loss_coef);
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
     if (!j.contains(key) || j[key].is_null()) continue;
     const auto& r = j[key];
@@ -60,8 +89,11 @@ LlamaConfig LlamaConfig::from_json(const std::string& text) {
 }
 
 std::string LlamaConfig::to_json() const {
-  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
-                      {"model_type", "llama"},
+  const char* arch = model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                     : model_type == "qwen3"   ? "Qwen3ForCausalLM"
+                                               : "LlamaForCausalLM";
+  nlohmann::json j = {{"architectures", {arch}},
+                      {"model_type", model_type},
                       {"hidden_size", hidden_size},
                       {"intermediate_size", intermediate_size},
                       {"num_hidden_layers", num_hidden_layers},
@@ -76,6 +108,26 @@ std::string LlamaConfig::to_json() const {
                       {"initializer_range", initializer_range},
                       {"hidden_act", "silu"},
                       {"torch_dtype", "float32"}};
+  j["qk_norm"] = qk_norm;
+  if (num_experts > 0) {
+    j["num_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["moe_intermediate_size"] = moe_intermediate_size;
+    j["norm_topk_prob"] = norm_topk_prob;
+    j["decoder_sparse_step"] = decoder_sparse_step;
+    j["mlp_only_layers"] = mlp_only_layers;
+    j["first_k_dense_replace"] = first_k_dense_replace;
+    j["scoring_func"] = scoring_func;
+    j["n_group"] = n_group;
+    j["topk_group"] = topk_group;
+    j["routed_scaling_factor"] = routed_scaling_factor;
+    j["n_shared_experts"] = n_shared_experts;
+    if (score_correction_bias) j["topk_method"] = "noaux_tc";
+    if (router_aux_loss_coef > 0) {
+      j["output_router_logits"] = true;
+      j["router_aux_loss_coef"] = router_aux_loss_coef;
+    }
+  }
   if (rope_scaling) {
     j["rope_scaling"] = {{"rope_type", "llama3"},
                          {"factor", rope_scaling->factor},
@@ -96,6 +148,39 @@ void LlamaConfig::validate() const {
               "[llama config] num_attention_heads=", num_attention_heads,
               " must be a positive multiple of num_key_value_heads=", num_key_value_heads);
   QUILT_CHECK(head_dim > 0 && head_dim % 2 == 0, "[llama config] head_dim=", head_dim, " must be positive and even");
+  if (num_experts > 0) {
+    QUILT_CHECK(decoder_sparse_step >= 1, "[llama config] decoder_sparse_step must be >= 1, got ", decoder_sparse_step);
+    QUILT_CHECK(scoring_func == "softmax" || scoring_func == "sigmoid", "[llama config] scoring_func '", scoring_func,
+                "' is not one of softmax, sigmoid");
+    for (int64_t l : mlp_only_layers)
+      QUILT_CHECK(l >= 0 && l < num_hidden_layers, "[llama config] mlp_only_layers names layer ", l, ", not one of the ",
+                  num_hidden_layers, " layers");
+    moe_options().validate();
+  }
+}
+
+bool LlamaConfig::is_sparse_layer(int64_t layer) const {
+  if (num_experts <= 0 || layer < first_k_dense_replace || (layer + 1) % decoder_sparse_step != 0) return false;
+  return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
+}
+
+MoeOptions LlamaConfig::moe_options() const {
+  MoeOptions o;
+  o.hidden_size = hidden_size;
+  o.num_experts = num_experts;
+  o.top_k = num_experts_per_tok;
+  o.intermediate_size = moe_intermediate_size;
+  o.norm_topk_prob = norm_topk_prob;
+  o.scoring = scoring_func == "sigmoid" ? MoeScoring::sigmoid : MoeScoring::softmax;
+  o.n_group = n_group;
+  o.topk_group = topk_group;
+  o.routed_scaling_factor = routed_scaling_factor;
+  o.n_shared_experts = n_shared_experts;
+  o.score_correction_bias = score_correction_bias;
+  o.load_balance_coeff = load_balance_coeff;
+  o.router_aux_loss_coef = router_aux_loss_coef;
+  o.init_std = initializer_range;
+  return o;
 }
 
 std::pair<Tensor, Tensor> rope_tables(const LlamaConfig& cfg, int64_t max_positions) {
@@ -124,7 +209,9 @@ std::pair<Tensor, Tensor> rope_tables(const LlamaConfig& cfg, int64_t max_positi
       c[size_t(p * half + i)] = std::cos(double(p) * inv[size_t(i)]);
       sn[size_t(p * half + i)] = std::sin(double(p) * inv[size_t(i)]);
     }
-  return {from_vector(c, {max_positions, half}), from_vector(sn, {max_positions, half})};
+  // Kept in f64 (a few KiB): each forward rounds them once to its own dtype.
+  return {from_vector(c, {max_positions, half}, {.dtype = DType::f64}),
+          from_vector(sn, {max_positions, half}, {.dtype = DType::f64})};
 }
 
 LlamaAttention::LlamaAttention(const LlamaConfig& cfg)
@@ -135,6 +222,10 @@ LlamaAttention::LlamaAttention(const LlamaConfig& cfg)
   v_proj = register_module("v_proj", std::make_shared<Linear>(cfg.hidden_size, kv_heads_ * head_dim_, false));
   o_proj = register_module("o_proj", std::make_shared<Linear>(heads_ * head_dim_, cfg.hidden_size, false));
   for (auto* l : {q_proj.get(), k_proj.get(), v_proj.get(), o_proj.get()}) l->init_std = cfg.initializer_range;
+  if (cfg.qk_norm) {
+    q_norm = register_module("q_norm", std::make_shared<RMSNorm>(head_dim_, cfg.rms_norm_eps));
+    k_norm = register_module("k_norm", std::make_shared<RMSNorm>(head_dim_, cfg.rms_norm_eps));
+  }
 }
 
 Tensor LlamaAttention::operator()(const Tensor& x, const Tensor& cos, const Tensor& sin) {
@@ -146,8 +237,16 @@ Tensor LlamaAttention::operator()(const Tensor& x, const Tensor& cos, const Tens
 Tensor LlamaAttention::forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   const int64_t b = x.size(0), t = x.size(1);
   // (B, T, H*D) -> (B, H, T, D); under tensor parallelism H is this rank's heads.
-  Tensor q = (*q_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
-  Tensor k = (*k_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
+  Tensor q = (*q_proj)(x).view({b, t, -1, head_dim_});
+  Tensor k = (*k_proj)(x).view({b, t, -1, head_dim_});
+  if (q_norm) {
+    // Qwen3: each head's query and key normalised over head_dim before RoPE. Under tensor
+    // parallelism the heads here are this rank's, so the norms' weights are used locally.
+    q = rms_norm(q, local_view(q_norm->weight()), q_norm->eps);
+    k = rms_norm(k, local_view(k_norm->weight()), k_norm->eps);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
   Tensor v = (*v_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
   q = rotary_embedding(q, cos, sin);
   k = rotary_embedding(k, cos, sin);
@@ -164,9 +263,10 @@ LlamaMLP::LlamaMLP(const LlamaConfig& cfg) : Module("LlamaMLP") {
 
 Tensor LlamaMLP::forward(const Tensor& x) { return (*down_proj)(swiglu((*gate_proj)(x), (*up_proj)(x))); }
 
-LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& cfg) : Module("LlamaDecoderLayer") {
+LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& cfg, int64_t layer) : Module("LlamaDecoderLayer") {
   self_attn = register_module("self_attn", std::make_shared<LlamaAttention>(cfg));
-  mlp = register_module("mlp", std::make_shared<LlamaMLP>(cfg));
+  if (cfg.is_sparse_layer(layer)) mlp = register_module("mlp", std::make_shared<MoE>(cfg.moe_options()));
+  else mlp = register_module("mlp", std::make_shared<LlamaMLP>(cfg));
   input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
   post_attention_layernorm =
       register_module("post_attention_layernorm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
@@ -207,7 +307,7 @@ LlamaModel::LlamaModel(const LlamaConfig& cfg, const LlamaStage& stage) : Module
   }
   layers = register_module("layers", std::make_shared<ModuleDict>());
   for (int64_t i = st.first_layer; i < st.end_layer; ++i)
-    layers->insert(std::to_string(i), std::make_shared<LlamaDecoderLayer>(cfg));
+    layers->insert(std::to_string(i), std::make_shared<LlamaDecoderLayer>(cfg, i));
   if (st.head) norm = register_module("norm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
   auto [c, s] = rope_tables(cfg, cfg.max_position_embeddings);
   register_buffer("rope_cos", c, /*persistent=*/false);
@@ -292,16 +392,52 @@ Tensor LlamaForCausalLM::forward(const Tensor& x) {
   return forward(x, arange(0, double(x.size(1))));
 }
 
+namespace {
+
+// The tensor names a HF checkpoint (one file, or an index with its weight_map) holds.
+std::set<std::string> hf_names(const std::string& path) {
+  std::set<std::string> names;
+  if (path.size() >= 5 && path.substr(path.size() - 5) == ".json") {
+    std::ifstream in(path);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(in);
+      for (const auto& [name, file] : j.at("weight_map").items()) names.insert(name);
+    } catch (const std::exception& e) {
+      fail("[load_hf_weights] ", path, " is not a valid safetensors index: ", e.what());
+    }
+  } else {
+    for (const SafetensorsEntry& e : read_safetensors_index(path).entries) names.insert(e.name);
+  }
+  return names;
+}
+
+}  // namespace
+
 void load_hf_weights(Module& model, const std::string& path) {
+  // A router's correction bias is state of aux-loss-free training: checkpoints of models
+  // trained without it (Qwen3-MoE) lack it, and it then starts at zero.
+  const std::set<std::string> in_file = hf_names(path);
   dtensor::StateDict targets;
-  for (auto& [name, t] : model.state_dict()) targets.emplace_back(name, t);
+  for (auto& [name, t] : model.state_dict()) {
+    const bool bias = name.size() > 23 && name.compare(name.size() - 23, 23, "e_score_correction_bias") == 0;
+    if (bias && !in_file.count(name)) continue;
+    targets.emplace_back(name, t);
+  }
+  std::vector<dtensor::StackedName> stacks;
+  for (const ExpertStack& s : expert_stacks(model)) stacks.push_back({s.name, s.pattern, s.count});
   NoGradGuard ng;
-  dtensor::import_consolidated(path, targets);
+  dtensor::import_consolidated(path, targets, stacks);
 }
 
 double LlamaForCausalLM::flops_per_token(int64_t seq_len) const {
   double n = 0;
   for (const Tensor& p : parameters()) n += double(p.numel());
+  // A token passes through k of a block's routed experts, not all of them.
+  for (auto& [name, moe] : moe_blocks(const_cast<LlamaForCausalLM&>(*this))) {
+    const MoeOptions& o = moe->options();
+    n -= double(3 * o.hidden_size * o.intermediate_size * (o.num_experts - o.top_k));
+  }
   if (has_embedding() && !cfg_.tie_word_embeddings)
     n -= double(cfg_.vocab_size * cfg_.hidden_size);  // the embedding lookup is free
   const double attn = 12.0 * double(model->layers->size()) * double(cfg_.num_attention_heads * cfg_.head_dim) *

@@ -1,6 +1,8 @@
 // Llama-style decoder (token embedding, RMSNorm, rotary embeddings with optional llama3
 // scaling, grouped-query attention, SwiGLU MLP, optional tied embeddings), configured by the
 // fields of a HF config.json and named as HF names its weights, so checkpoints interchange.
+// The same decoder is Qwen3 (RMSNorm of each head's queries and keys: qk_norm) and Qwen3-MoE
+// (some layers' MLP a mixture of experts, models/moe), with DeepSeek-V3's router options.
 // A model may be one pipeline stage: it holds decoder layers [first, end) under their global
 // indices ("model.layers.4..."), and the embedding and the final norm + head only if asked.
 //
@@ -21,6 +23,7 @@
 
 #include "engine/nn/layers.h"
 #include "engine/nn/module.h"
+#include "models/moe/moe.h"
 
 namespace quilt {
 
@@ -34,6 +37,7 @@ struct RopeScaling {
 
 /// The HF config.json fields the model reads.
 struct LlamaConfig {
+  std::string model_type = "llama";  // llama | qwen3 | qwen3_moe (HF's model_type)
   int64_t hidden_size = 128;
   int64_t intermediate_size = 384;
   int64_t num_hidden_layers = 4;
@@ -47,6 +51,29 @@ struct LlamaConfig {
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 2048;
   double initializer_range = 0.02;
+  bool qk_norm = false;  // RMSNorm over head_dim of q and k before RoPE (Qwen3: true)
+
+  // Mixture of experts (Qwen3-MoE names, with DeepSeek-V3's router options); num_experts 0: dense.
+  int64_t num_experts = 0;              // HF num_experts (Qwen3-MoE) or n_routed_experts (DeepSeek-V3)
+  int64_t num_experts_per_tok = 2;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = true;
+  int64_t decoder_sparse_step = 1;      // layer i is sparse when (i + 1) % step == 0 ...
+  std::vector<int64_t> mlp_only_layers; // ... and i is not listed here ...
+  int64_t first_k_dense_replace = 0;    // ... and i >= this
+  std::string scoring_func = "softmax"; // softmax | sigmoid
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  int64_t n_shared_experts = 0;
+  bool score_correction_bias = false;   // HF topk_method "noaux_tc": e_score_correction_bias
+  double load_balance_coeff = 0.0;      // aux-loss-free balancing step (training; not an HF field)
+  double router_aux_loss_coef = 0.0;    // sequence-level balance loss weight
+
+  /// True when decoder layer `layer` has a mixture-of-experts MLP.
+  bool is_sparse_layer(int64_t layer) const;
+  /// The options of this config's MoE blocks.
+  MoeOptions moe_options() const;
 
   /// Parses HF config.json text; unknown fields are ignored, missing ones keep defaults.
   static LlamaConfig from_json(const std::string& text);
@@ -56,7 +83,8 @@ struct LlamaConfig {
   void validate() const;
 };
 
-/// Rotary tables (cos, sin), each (max_positions, head_dim / 2), in f32.
+/// Rotary tables (cos, sin), each (max_positions, head_dim / 2), in f64 (rounded to the
+/// activations' dtype where they are used).
 std::pair<Tensor, Tensor> rope_tables(const LlamaConfig& cfg, int64_t max_positions);
 
 /// The part of the model one pipeline stage holds: decoder layers [first_layer, end_layer)
@@ -79,6 +107,7 @@ class LlamaAttention : public Module {
   /// The computation of operator() without the hooks.
   Tensor forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
+  std::shared_ptr<RMSNorm> q_norm, k_norm;  // qk_norm only
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
@@ -93,7 +122,8 @@ class LlamaMLP : public Module {
 
 class LlamaDecoderLayer : public Module {
  public:
-  explicit LlamaDecoderLayer(const LlamaConfig& cfg);
+  /// Decoder layer `layer` (its MLP is an MoE when cfg.is_sparse_layer(layer)).
+  LlamaDecoderLayer(const LlamaConfig& cfg, int64_t layer);
   /// One block: x (B, T, C) with rotary tables broadcastable to (B, H, T, D/2), through the
   /// module's hooks and forward wrapper (which see all three inputs).
   Tensor operator()(const Tensor& x, const Tensor& cos, const Tensor& sin);
@@ -101,7 +131,7 @@ class LlamaDecoderLayer : public Module {
   /// The computation of operator() without the hooks.
   Tensor forward_block(const Tensor& x, const Tensor& cos, const Tensor& sin);
   std::shared_ptr<LlamaAttention> self_attn;
-  std::shared_ptr<LlamaMLP> mlp;
+  std::shared_ptr<Module> mlp;  // LlamaMLP, or MoE in a sparse layer
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
 };
 
@@ -158,8 +188,9 @@ class LlamaForCausalLM : public Module {
 };
 
 /// Loads HF-named weights (one model.safetensors, or a model.safetensors.index.json with its
-/// shards) into `model`'s parameters in place, whatever their layout (each rank reads only its
-/// blocks). Throws naming the missing tensor or the shape that differs.
+/// shards) into `model`'s parameters and persistent buffers in place, whatever their layout
+/// (each rank reads only its blocks); grouped experts are read from HF's per-expert tensors.
+/// Throws naming the missing tensor (or expert) or the shape that differs.
 void load_hf_weights(Module& model, const std::string& path);
 
 }  // namespace quilt

@@ -1,6 +1,10 @@
 // How a Llama becomes a parallel program: see parallelize.h.
 #include "models/llama/parallelize.h"
 
+#include "dtensor/dtensor.h"
+#include "engine/engine.h"
+#include "parallel/expert_parallel.h"
+#include "parallel/fully_shard.h"
 #include "parallel/mixed_precision.h"
 
 namespace quilt {
@@ -52,10 +56,74 @@ TensorParallelPlan llama_tp_plan_for(const LlamaForCausalLM& model, bool sequenc
     if (!loss_parallel)
       plan.add("", PrepareModuleOutput{.output_layouts = {Shard(-1)}, .desired_output_layouts = {Replicate()}});
   }
+  // MoE layers: the block takes its input replicated (the PrepareModuleInput above) and gives
+  // a Partial output, laid out as the residual stream again. The dense MLP entries apply to
+  // dense layers only.
+  const Placement stream = sequence_parallel ? Placement(Shard(1)) : Placement(Replicate());
+  bool any_dense = false;
+  for (const int64_t l : model.model->layer_indices()) {
+    if (!model.config().is_sparse_layer(l)) {
+      any_dense = true;
+      continue;
+    }
+    plan.add("model.layers." + std::to_string(l) + ".mlp",
+             PrepareModuleOutput{.output_layouts = {Partial()}, .desired_output_layouts = {stream}});
+  }
+  if (!any_dense)
+    std::erase_if(plan.entries, [](const auto& e) { return e.first.rfind("model.layers.*.mlp.", 0) == 0; });
   if (model.model->layers->empty())
     std::erase_if(plan.entries, [](const auto& e) { return e.first.rfind("model.layers.", 0) == 0; });
   return plan;
 }
+
+namespace {
+
+// Puts parameter `local_name` of `m`, distributed over `mesh` as `placements`, into its slot
+// (one built without storage stays without: FSDP allocates its shard).
+void distribute_on(Module& m, const std::string& local_name, const DeviceMesh& mesh, const Placements& placements) {
+  const Tensor p = m.parameter(local_name);
+  Tensor d;
+  if (is_deferred(p)) {
+    auto spec = std::make_shared<const DistSpec>(mesh, placements, p.shape());
+    const Shape local = spec->local_shape();
+    d = Tensor::make_distributed(Tensor::from_storage(Storage(), local, contiguous_strides(local), 0, p.dtype()), spec,
+                                 p.shape());
+  } else {
+    NoGradGuard ng;
+    d = distribute_tensor(p.detach(), mesh, placements).detach();
+  }
+  d.set_requires_grad(p.requires_grad());
+  d.set_name(p.name());
+  m.replace_parameter(local_name, d);
+}
+
+// Parameters that the model computes with locally under tensor parallelism (local_view):
+// the MoE blocks' (router replicated; routed and shared experts column-parallel for gate/up,
+// row-parallel for down, so each rank's output is a partial sum) and Qwen3's q/k norms
+// (replicated; each rank normalises its own heads).
+void apply_local_tp(LlamaForCausalLM& model, const DeviceMesh& tp, bool experts) {
+  for (auto& [name, m] : model.named_modules()) {
+    if (auto* a = dynamic_cast<LlamaAttention*>(m); a && a->q_norm) {
+      distribute_parameter(*a->q_norm, name + ".q_norm", "weight", tp, Replicate());
+      distribute_parameter(*a->k_norm, name + ".k_norm", "weight", tp, Replicate());
+    }
+    auto* moe = dynamic_cast<MoE*>(m);
+    if (!moe) continue;
+    distribute_parameter(*moe->gate, name + ".gate", "weight", tp, Replicate());
+    if (experts) {
+      distribute_parameter(*moe->experts, name + ".experts", "gate_proj", tp, Shard(1));
+      distribute_parameter(*moe->experts, name + ".experts", "up_proj", tp, Shard(1));
+      distribute_parameter(*moe->experts, name + ".experts", "down_proj", tp, Shard(2));
+    }
+    if (auto& sh = moe->shared_experts) {
+      distribute_parameter(*sh->gate_proj, name + ".shared_experts.gate_proj", "weight", tp, Shard(0));
+      distribute_parameter(*sh->up_proj, name + ".shared_experts.up_proj", "weight", tp, Shard(0));
+      distribute_parameter(*sh->down_proj, name + ".shared_experts.down_proj", "weight", tp, Shard(1));
+    }
+  }
+}
+
+}  // namespace
 
 const std::vector<std::string>& llama_fp32_modules() {
   static const std::vector<std::string> names = {"input_layernorm", "post_attention_layernorm", "model.norm"};
@@ -75,12 +143,50 @@ DataParallelism parallelize_llama(LlamaForCausalLM& model, const Meshes& meshes,
   //    FSDP gathers again before backward, instead of gathering inside the region.
   // 4. FSDP (or DDP) last: it wraps units around everything above, and the root last.
   const DeviceMesh tp = meshes["tp"];
-  if (tp.size() > 1) apply_tp(model, tp, llama_tp_plan_for(model, dc.sequence_parallel, opts.loss_parallel));
+  // The seed's rule: distributed.moe applies with expert parallelism only.
+  const MoeConfig moe_cfg = dc.ep_size > 1 ? dc.moe : MoeConfig{};
+  const std::vector<std::pair<std::string, MoE*>> moes = moe_blocks(model);
+  std::vector<std::string> experts;
+  for (const auto& [name, moe] : moes) experts.push_back(name + ".experts");
+  QUILT_CHECK(moes.empty() || dc.strategy != Strategy::kDdp || meshes.size("dp") == 1,
+              "[distributed] strategy ddp does not train MoE models over several ranks (the routers' load "
+              "balancing and the experts' sharding are fsdp2's); use strategy fsdp2");
+  const bool ep_tp = dc.ep_size > 1 && tp.size() > 1;
+  if (tp.size() > 1) {
+    apply_tp(model, tp, llama_tp_plan_for(model, dc.sequence_parallel, opts.loss_parallel));
+    // With ep, the experts are cut over ep and tp at once (below), the rest of the block over tp.
+    apply_local_tp(model, tp, /*experts=*/!ep_tp);
+  }
+  if (ep_tp) {
+    // Each rank of an ep group holds E / ep experts, each of them column/row-cut over tp.
+    const DeviceMesh ep_tp_mesh = meshes.moe_tp.sub({"ep", "tp"});
+    for (const std::string& e : experts) {
+      Module& m = model.submodule(e);
+      for (const char* w : {"gate_proj", "up_proj", "down_proj"})
+        distribute_on(m, w, ep_tp_mesh, {Shard(0), w == std::string("down_proj") ? Shard(2) : Shard(1)});
+    }
+  }
+  // 1b. EP: each MoE block's routed experts split over the ep axis; their hooks carry tokens
+  //     to the experts' ranks and back. Like TP, before FSDP, which then shards each rank's
+  //     experts over ep_shard.
+  if (dc.ep_size > 1) apply_ep(model, meshes["ep"], experts);
+  // Aux-loss-free balancing: each router's bias is one value Replicate over every rank that
+  // sees different tokens, stepped from their summed counts (update_moe_load_balance).
+  for (const auto& [name, moe] : moes) {
+    Module& g = *moe->gate;
+    if (!g.has_buffer("e_score_correction_bias") || meshes.size("dp_cp") == 1) continue;
+    NoGradGuard ng;
+    g.replace_buffer("e_score_correction_bias", distribute_tensor(g.buffer("e_score_correction_bias"),
+                                                                  meshes["dp_cp"], {Replicate()}));
+  }
 
   // apply_cp: not yet (context parallelism over meshes["cp"] lands with its issue).
 
-  if (dc.activation_checkpointing && !model.model->layers->empty())
+  if (dc.activation_checkpointing && !model.model->layers->empty()) {
     apply_ac(model, {.mode = parse_ac_mode(dc.activation_checkpointing_mode), .modules = {"model.layers.*"}});
+    // moe.ignore_router_for_ac: the recomputation reuses the forward's choice of experts.
+    for (const auto& [name, moe] : moes) moe->gate->keep_choice_for_recompute = moe_cfg.ignore_router_for_ac;
+  }
 
   // 4. Data parallelism. fsdp2 (megatron_fsdp runs as fsdp2's sharding): each decoder layer
   //    one unit, each norm its own f32 unit under mixed precision, then the root (embedding,
@@ -108,8 +214,22 @@ DataParallelism parallelize_llama(LlamaForCausalLM& model, const Meshes& meshes,
   DeviceMesh mesh = meshes["dp_shard_cp"];
   if (meshes.size("dp_replicate") > 1)
     mesh = meshes.size("cp") == 1 ? meshes.main.sub({"dp_replicate", "dp_shard"}) : meshes.sub({"dp_replicate", "dp_shard_cp"});
+  // Expert-parallel experts: their own units over ep_shard (the data-parallel ranks that hold
+  // the same experts), nested in their block's unit; the block's other parameters (router,
+  // shared experts) stay with the block.
+  if (dc.ep_size > 1) {
+    FSDPPolicy ep_policy = policy;
+    ep_policy.reshard_after_forward = moe_cfg.reshard_after_forward;
+    ep_policy.fp32_modules.clear();
+    ep_policy.gradient_divide_factor = double(meshes.size("dp_cp"));
+    const DeviceMesh ep_shard = ep_tp ? meshes.moe_tp.sub({"ep_shard"}) : meshes["ep_shard"];
+    for (const std::string& e : experts) fully_shard(model.submodule(e), ep_shard, ep_policy);
+  }
   std::vector<std::string> units;
   if (!model.model->layers->empty()) units.push_back("model.layers.*");
+  // moe.wrap_outer_model: the decoder's own embedding and final norm a unit of their own,
+  // apart from the head, which the root keeps.
+  if (!moes.empty() && moe_cfg.wrap_outer_model) units.push_back("model");
   dp.fsdp = apply_fsdp(model, mesh, policy, units);
   return dp;
 }

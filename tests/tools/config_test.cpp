@@ -356,9 +356,16 @@ TEST_CASE("config: pipeline and moe keys off their defaults warn once each that 
                           "implemented yet",
                           "[config] distributed.pipeline.pp_microbatch_size is ignored: pipeline parallelism is not "
                           "implemented yet",
-                          "[config] distributed.moe.reshard_after_forward is ignored: expert parallelism is not "
-                          "implemented yet"});
+                          "[config] distributed.moe.reshard_after_forward is ignored: distributed.moe applies only "
+                          "with ep_size > 1"});
   CHECK(c.distributed.moe.reshard_after_forward);  // still read and kept: only its use is missing
+  CHECK(load_recipe(recipe_path("moe_tiny.yaml")).warnings.empty());
+  // With expert parallelism the moe: keys are used, so nothing is said.
+  CHECK(parse(kMinimal, {"distributed.moe.reshard_after_forward=true", "distributed.ep_size=2"}).warnings.empty());
+  // model.mlp_only_layers is a list, also given as one --set value.
+  CHECK(parse(kMinimal, {"model.mlp_only_layers=[0, 2]"}).model.mlp_only_layers == std::vector<int64_t>{0, 2});
+  CHECK_THROWS_WITH_AS(parse(kMinimal, {"model.mlp_only_layers=[a]"}), doctest::Contains("model.mlp_only_layers[0]"),
+                       Error);
   // Warnings are not settings.
   CHECK(c == parse(recipe_to_yaml(c)));
 }
