@@ -431,6 +431,37 @@ TEST_CASE("moe: aux-loss-free balancing evens out a skewed router's load, once p
   CHECK(sum(moe.gate->buffer("tokens_per_expert")).item<double>() == 128.0);
 }
 
+TEST_CASE("moe: one balancing step after two micro-batches steps the bias once, from their summed counts") {
+  MoeOptions o{.hidden_size = 8, .num_experts = 4, .top_k = 2, .intermediate_size = 4, .load_balance_coeff = 0.01};
+  MoE moe(o);
+  moe.init_weights(15);
+  moe(randn({2, 5, 8}, RngKey(16, "a")));
+  moe(randn({2, 5, 8}, RngKey(16, "b")));
+  const Vec counts = moe.gate->buffer("tokens_per_expert").to_vector();
+  CHECK(std::accumulate(counts.begin(), counts.end(), 0.0) == 2 * 10 * 2);
+  update_moe_load_balance(moe);
+  // The expected bias: one sign step of 0.01 from the summed counts, recentred.
+  const double m = std::accumulate(counts.begin(), counts.end(), 0.0) / 4;
+  Vec want(4);
+  double mean_step = 0;
+  for (int e = 0; e < 4; ++e) mean_step += (want[size_t(e)] = 0.01 * double((m > counts[size_t(e)]) - (m < counts[size_t(e)]))) / 4;
+  const Vec got = moe.gate->buffer("e_score_correction_bias").to_vector();
+  for (int e = 0; e < 4; ++e) CHECK(got[size_t(e)] == doctest::Approx(want[size_t(e)] - mean_step).epsilon(1e-6));
+}
+
+TEST_CASE("moe: a checkpoint missing an expert is refused, naming the expert") {
+  const LlamaConfig cfg = tiny_qwen3_moe();
+  Weights w = hf_weights(cfg);
+  w.erase("model.layers.1.mlp.experts.2.up_proj.weight");
+  const auto path = temp_file("quilt_qwen3_moe_missing");
+  save_hf(w, path);
+  LlamaForCausalLM m(cfg);
+  CHECK_THROWS_WITH(load_hf_weights(m, path.string()),
+                    doctest::Contains("'model.layers.1.mlp.experts.2.up_proj.weight' (expert 2 of "
+                                      "'model.layers.1.mlp.experts.up_proj') is not in"));
+  std::filesystem::remove(path);
+}
+
 TEST_CASE("moe: under activation checkpointing the router's choice is kept, counted once, and gradients are bit-identical") {
   MoeOptions o{.hidden_size = 8, .num_experts = 4, .top_k = 2, .intermediate_size = 4, .load_balance_coeff = 0.01};
   auto grads_of = [&](bool ac) {
