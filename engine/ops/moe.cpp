@@ -128,13 +128,25 @@ class GroupedMm final : public Primitive {
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
     saved_ = {in[0].detach(), in[1].detach(), in[2].detach()};
   }
-  // dx_e = dY_e @ w_e^T (grouped_mm with w's transposed view); dw_e = x_e^T @ dY_e.
+  // dx_e = dY_e @ w_e^T (grouped_mm with w's transposed view); dw_e = x_e^T @ dY_e. When w is
+  // a transposed view of (E, N, K) storage (stacked Linear weights), dw comes in that storage
+  // order, dw_e^T = dY_e^T @ x_e, so the weight's gradient is contiguous like the weight.
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
     const Tensor& g = ctx.grads[0];
     const Tensor &x = saved_[0], &w = saved_[1], &offsets = saved_[2];
     Tensor gx = ctx.needs[0] ? run_grouped_mm(g, transpose(w, 1, 2), offsets) : Tensor();
-    Tensor gw = ctx.needs[1] ? run_weight_grad(x, g, offsets) : Tensor();
+    Tensor gw;
+    if (ctx.needs[1])
+      gw = stored_transposed(w) ? transpose(run_weight_grad(g, x, offsets), 1, 2) : run_weight_grad(x, g, offsets);
     return {gx, gw, Tensor()};
+  }
+
+ private:
+  // True when w's (K, N) matrices are stored column-major (w is a transposed view).
+  static bool stored_transposed(const Tensor& w) {
+    const Tensor& l = w.is_distributed() ? w.local() : w;
+    const auto op = operand_of(l.size(1), l.size(2), l.stride(1), l.stride(2));
+    return op && op->trans && l.size(1) > 1 && l.size(2) > 1;
   }
 };
 

@@ -193,6 +193,7 @@ TEST_CASE("grouped_mm: a transposed (E, N, K) weight view gives the result and g
   sum(y * g).backward();
   REQUIRE(wt.grad().defined());
   CHECK(wt.grad().shape() == Shape{4, 6, 5});
+  CHECK(wt.grad().is_contiguous());  // computed in the weight's storage order, no copy needed
   const Ref dw = weight_grad_ref(Ref::of(x), Ref::of(g), off);  // (E, K, N)
   Tensor dw_t = transpose(from_vector(dw.v, dw.shape, {.dtype = DType::f64}), 1, 2);
   CHECK(all_close(wt.grad(), dw_t, 1e-12));
