@@ -363,7 +363,7 @@ TEST_CASE("moe_route: orders slots by expert, ties in slot order, with counts an
   CHECK(empty.host_counts == std::vector<int64_t>{0, 0, 0});
 }
 
-TEST_CASE("moe_route: an expert index outside [0, E) throws naming the first one") {
+TEST_CASE("moe_route: an expert index below 0 or not below E throws naming the first one") {
   CHECK_THROWS_WITH_AS(moe_route(index_tensor({0, 1, 2, 4, 7, 1}, {3, 2}), 4),
                        doctest::Contains("[moe_route] expert_idx[1, 1] = 4 is outside [0, 4) (num_experts = 4)"), Error);
   CHECK_THROWS_WITH_AS(moe_route(index_tensor({0, -1}, {1, 2}, DType::i32), 4),
