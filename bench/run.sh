@@ -22,5 +22,5 @@ bash "$(dirname "$0")/parallel/moe_layouts.sh" "$build"
 for np in 2 4; do
   echo "== ep_dispatch_bench, $np ranks"
   mpiexec -n "$np" --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 --mca mpi_yield_when_idle 1 \
-    "$build/bench/ep_dispatch_bench" --benchmark_min_time=0.05
+    "$build/bench/ep_dispatch_bench" --benchmark_min_time=0.5
 done
