@@ -589,11 +589,22 @@ std::shared_ptr<FSDPModule> fully_shard(Module& module, const DeviceMesh& mesh, 
     island.output_dtype = policy.param_dtype;
     island.fp32_modules.clear();
     island.ignored_params.clear();
+    std::vector<std::string> units;  // paths of units already made under `module`: their modules are theirs
     for (auto& [path, m] : module.named_modules()) {
-      if (m == &module || detail::unit_of(m)) continue;
+      if (m == &module) continue;
+      bool inside = false;
+      for (const std::string& u : units) inside = inside || path.rfind(u + ".", 0) == 0;
+      if (inside) continue;
+      if (detail::unit_of(m)) {
+        units.push_back(path);
+        continue;
+      }
       bool match = false;
       for (const std::string& s : policy.fp32_modules) match = match || detail::ends_with_name(path, s);
-      if (match && !m->named_parameters().empty()) detail::make_unit(*m, mesh, island, path);
+      if (match && !m->named_parameters().empty()) {
+        detail::make_unit(*m, mesh, island, path);
+        units.push_back(path);
+      }
     }
   }
   return std::make_shared<FSDPModule>(detail::make_unit(module, mesh, policy, module.type_name()));

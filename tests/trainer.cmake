@@ -97,3 +97,7 @@ grep -qF 'distributed.moe.reshard_after_forward is ignored: distributed.moe appl
   $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/moe_tiny.yaml)
 quilt_trainer_test("moe: ep 2 x tp 2 with sequence parallel follows the one-rank loss curve" moe_equivalence ep2tp2 4
   --set distributed.ep_size=2 --set distributed.tp_size=2 --set distributed.sequence_parallel=true)
+quilt_trainer_test("moe: ep 2 x ep_shard 2 with full AC in bf16 follows the one-rank bf16 curve" moe_equivalence_bf16
+  ep2x2bf16 4 --set distributed.ep_size=2 --set distributed.activation_checkpointing=true)
+quilt_trainer_test("moe: ep 2 x tp 2 in bf16 follows the one-rank bf16 curve" moe_equivalence_bf16 ep2tp2bf16 4
+  --set distributed.ep_size=2 --set distributed.tp_size=2)

@@ -140,6 +140,16 @@ case "$mode" in
     grep -q "moe_load" "$work/one.log" || { cat "$work/one.log"; echo "no moe_load in the step line"; exit 1; }
     "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 1e-4
     ;;
+  moe_equivalence_bf16)
+    # As moe_equivalence in bf16 compute (f32 masters; the norms f32 units inside the
+    # embedding's own unit under wrap_outer_model): bf16's 2^-8 relative step bounds the gap.
+    layout=$1; np=$2; shift 2
+    common=(--config "$(dirname "$0")/../../recipes/moe_tiny.yaml" "${common[@]:2}" --set model.moe_intermediate_size=32
+            --set train.param_dtype=bfloat16)
+    run one 1 --set train.steps=8
+    run "$layout" "$np" --set train.steps=8 "$@"
+    "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 2e-3
+    ;;
   moe_export)
     # HF export of a trained MoE: one tensor per expert under HF names, which loads back under
     # another layout and exports bit-identically.
