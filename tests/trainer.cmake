@@ -101,3 +101,4 @@ quilt_trainer_test("moe: ep 2 x ep_shard 2 with full AC in bf16 follows the one-
   ep2x2bf16 4 --set distributed.ep_size=2 --set distributed.activation_checkpointing=true)
 quilt_trainer_test("moe: ep 2 x tp 2 in bf16 follows the one-rank bf16 curve" moe_equivalence_bf16 ep2tp2bf16 4
   --set distributed.ep_size=2 --set distributed.tp_size=2)
+quilt_trainer_test("moe: saved under ep 2, resumed under ep 4, the curve continues" moe_resume)

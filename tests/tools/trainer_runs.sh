@@ -150,6 +150,16 @@ case "$mode" in
     run "$layout" "$np" --set train.steps=8 "$@"
     "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 2e-3
     ;;
+  moe_resume)
+    # Saved under ep 2 (experts and the balancing bias distributed), resumed under ep 4: the
+    # curve continues the straight run's.
+    common=(--config "$(dirname "$0")/../../recipes/moe_tiny.yaml" "${common[@]:2}" --set model.moe_intermediate_size=32)
+    run straight 4 --set train.steps=8 --set distributed.ep_size=2
+    run first 4 --set train.steps=8 --stop-after 4 --set distributed.ep_size=2 --set "checkpoint.dir=$work/ckpt"
+    run second 4 --set train.steps=8 --set distributed.ep_size=4 --set "checkpoint.dir=$work/ckpt"
+    grep -q "resumed from .* (saved as .* ep=2)" "$work/second.log" || { cat "$work/second.log"; echo "did not resume"; exit 1; }
+    "$compare" "$work/straight/metrics.jsonl" "$work/second/metrics.jsonl" 1e-4 5
+    ;;
   moe_export)
     # HF export of a trained MoE: one tensor per expert under HF names, which loads back under
     # another layout and exports bit-identically.
