@@ -1,8 +1,8 @@
 // grouped_mm TFLOP/s against the two ways to do without it, timed in the same run, interleaved:
 //   dense: one engine matmul (M_total, K) @ (K, N) of the same FLOPs (the ceiling: one big GEMM),
 //   loop:  one engine matmul per expert over its rows (what a model without grouped_mm runs).
-// Shapes are the expert matrices of Qwen3-30B-A3B (E=128, K=2048, N=768 gate/up and K=768,
-// N=2048 down) and DeepSeek-V3 (E=256, K=7168, N=2048), with fewer experts than the models so
+// Shapes are the expert matrices of Qwen3-30B-A3B (E=128, K=2048, N=768 gate/up, K=2048, N=1536
+// gate and up side by side, and K=768, N=2048 down) and DeepSeek-V3 (E=256, K=7168, N=2048), with fewer experts than the models so
 // that a case takes about a second on two cores (under 1 s for Qwen, ~2 s for DeepSeek at 256
 // rows; the whole suite ~1 minute); rows per expert 64, 256, 1024, balanced
 // or Zipf-skewed (expert e gets a share proportional to 1/(e+1)); weights stored (E, N, K) and
@@ -45,6 +45,7 @@ struct ExpertShape {
 };
 const ExpertShape kShapes[] = {
     {"qwen3_30b_a3b_up", 2048, 768},
+    {"qwen3_30b_a3b_gate_up", 2048, 1536},  // gate and up of one expert side by side
     {"qwen3_30b_a3b_down", 768, 2048},
     {"deepseek_v3", 7168, 2048},
 };
