@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <optional>
 
 #include "engine/tensor.h"
 #include "kernels/loop.h"
@@ -27,6 +28,18 @@ kernels::Loop<N> loop_over(const Shape& shape, const std::array<const Tensor*, N
   }
   return kernels::make_loop<N>(static_cast<int>(shape.size()), shape.data(), sp, data);
 }
+
+/// How a (rows, cols) matrix view maps to a row-major GEMM operand: as it is with leading dim
+/// `ld`, or transposed when its rows are adjacent in memory (a transposed view needs no copy).
+struct GemmOperand {
+  bool trans = false;
+  int64_t ld = 0;
+};
+/// The operand a (rows, cols) view with strides (rs, cs) is, or none when neither layout fits.
+std::optional<GemmOperand> gemm_operand_of(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
+/// The last two dims of t as a GEMM operand; t is replaced by a contiguous copy when its strides
+/// allow neither layout.
+GemmOperand gemm_operand(Tensor& t);
 
 /// The device stream handle for kernels (nullptr on the CPU).
 void* stream_handle(Device d);

@@ -15,23 +15,8 @@
 namespace quilt {
 namespace {
 
-// How a (rows, cols) matrix view maps to a row-major GEMM operand.
-struct Operand {
-  bool trans = false;
-  int64_t ld = 0;
-};
-
-std::optional<Operand> as_operand(int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
-  if (cs == 1 || cols == 1) {
-    const int64_t ld = rows == 1 ? std::max<int64_t>(cols, 1) : rs;
-    if (ld >= std::max<int64_t>(cols, 1)) return Operand{false, ld};
-  }
-  if (rs == 1 || rows == 1) {
-    const int64_t ld = cols == 1 ? std::max<int64_t>(rows, 1) : cs;
-    if (ld >= std::max<int64_t>(rows, 1)) return Operand{true, ld};
-  }
-  return std::nullopt;
-}
+using ops::GemmOperand;
+using ops::gemm_operand;
 
 class Matmul final : public Primitive {
  public:
@@ -57,10 +42,7 @@ class Matmul final : public Primitive {
     out_shape.push_back(n);
     Tensor out = Tensor::empty(out_shape, {.dtype = a.dtype(), .device = dev});
     if (out.numel() == 0) return {out};
-    auto oa = as_operand(m, k, a.stride(-2), a.stride(-1));
-    if (!oa) { a = contiguous(a); oa = as_operand(m, k, a.stride(-2), a.stride(-1)); }
-    auto ob = as_operand(k, n, b.stride(-2), b.stride(-1));
-    if (!ob) { b = contiguous(b); ob = as_operand(k, n, b.stride(-2), b.stride(-1)); }
+    const GemmOperand oa = gemm_operand(a), ob = gemm_operand(b);
     const int64_t nb = numel_of(batch);
     std::vector<int64_t> ao(static_cast<size_t>(nb)), bo(static_cast<size_t>(nb)), co(static_cast<size_t>(nb));
     Tensor ab = Tensor::from_storage(a.storage(), batch_a, Shape(a.strides().begin(), a.strides().end() - 2), 0, a.dtype());
@@ -80,8 +62,8 @@ class Matmul final : public Primitive {
     }
     kernels::GemmArgs g;
     g.m = m; g.n = n; g.k = k;
-    g.trans_a = oa->trans; g.lda = oa->ld; g.a = a.data_ptr();
-    g.trans_b = ob->trans; g.ldb = ob->ld; g.b = b.data_ptr();
+    g.trans_a = oa.trans; g.lda = oa.ld; g.a = a.data_ptr();
+    g.trans_b = ob.trans; g.ldb = ob.ld; g.b = b.data_ptr();
     g.c = out.data_ptr(); g.ldc = std::max<int64_t>(n, 1);
     g.batch = nb; g.a_offsets = ao.data(); g.b_offsets = bo.data(); g.c_offsets = co.data();
     gemm(dev, a.dtype(), g);
@@ -116,12 +98,11 @@ class Matmul final : public Primitive {
     const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
     Tensor out = Tensor::empty({m, n}, {.dtype = a.dtype(), .device = dev});
     if (out.numel() == 0) return out;
-    auto ob = as_operand(k, n, b.stride(0), b.stride(1));
-    if (!ob) { b = contiguous(b); ob = as_operand(k, n, b.stride(0), b.stride(1)); }
+    const GemmOperand ob = gemm_operand(b);
     kernels::GemmArgs g;
     g.m = m; g.n = n; g.k = k;
     g.trans_a = false; g.lda = std::max<int64_t>(a.stride(0), k); g.a = a.data_ptr();
-    g.trans_b = ob->trans; g.ldb = ob->ld; g.b = b.data_ptr();
+    g.trans_b = ob.trans; g.ldb = ob.ld; g.b = b.data_ptr();
     g.c = out.data_ptr(); g.ldc = std::max<int64_t>(n, 1);
     gemm(dev, a.dtype(), g);
     return out;
@@ -149,5 +130,28 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
   Tensor y = matmul(x, transpose(w, 0, 1));
   return bias.defined() ? y + bias : y;
 }
+
+namespace ops {
+
+std::optional<GemmOperand> gemm_operand_of(int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+  if (cs == 1 || cols <= 1) {
+    const int64_t ld = rows <= 1 ? std::max<int64_t>(cols, 1) : rs;
+    if (ld >= std::max<int64_t>(cols, 1)) return GemmOperand{false, ld};
+  }
+  if (rs == 1 || rows <= 1) {
+    const int64_t ld = cols <= 1 ? std::max<int64_t>(rows, 1) : cs;
+    if (ld >= std::max<int64_t>(rows, 1)) return GemmOperand{true, ld};
+  }
+  return std::nullopt;
+}
+
+GemmOperand gemm_operand(Tensor& t) {
+  const int64_t r = t.dim() - 2, c = t.dim() - 1;
+  if (auto op = gemm_operand_of(t.size(r), t.size(c), t.stride(r), t.stride(c))) return *op;
+  t = contiguous(t);
+  return *gemm_operand_of(t.size(r), t.size(c), t.stride(r), t.stride(c));
+}
+
+}  // namespace ops
 
 }  // namespace quilt

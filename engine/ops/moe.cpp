@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "engine/ops/creation.h"
+#include "engine/ops/dispatch.h"
 #include "engine/ops/view.h"
 #include "engine/primitive.h"
 #include "kernels/cpu/moe.h"
@@ -21,33 +22,8 @@ namespace {
 
 // ---- helpers ----
 
-// How a (rows, cols) matrix view maps to a GEMM operand: row-major with leading dim `ld`, or
-// transposed (column-major) when its rows are adjacent in memory.
-struct Operand {
-  bool trans = false;
-  int64_t ld = 0;
-};
-
-std::optional<Operand> operand_of(int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
-  if (cs == 1 || cols <= 1) {
-    const int64_t ld = rows <= 1 ? std::max<int64_t>(cols, 1) : rs;
-    if (ld >= std::max<int64_t>(cols, 1)) return Operand{false, ld};
-  }
-  if (rs == 1 || rows <= 1) {
-    const int64_t ld = cols <= 1 ? std::max<int64_t>(rows, 1) : cs;
-    if (ld >= std::max<int64_t>(rows, 1)) return Operand{true, ld};
-  }
-  return std::nullopt;
-}
-
-// The last two dims of t as a GEMM operand; t is replaced by a contiguous copy when its strides
-// allow neither layout (a transposed view needs no copy).
-Operand gemm_operand(Tensor& t) {
-  const int64_t r = t.dim() - 2, c = t.dim() - 1;
-  if (auto op = operand_of(t.size(r), t.size(c), t.stride(r), t.stride(c))) return *op;
-  t = contiguous(t);
-  return *operand_of(t.size(r), t.size(c), t.stride(r), t.stride(c));
-}
+using ops::gemm_operand;
+using Operand = ops::GemmOperand;
 
 // An integer tensor's values on the host as i64.
 std::vector<int64_t> host_i64(const Tensor& t) {
@@ -145,7 +121,7 @@ class GroupedMm final : public Primitive {
   // True when w's (K, N) matrices are stored column-major (w is a transposed view).
   static bool stored_transposed(const Tensor& w) {
     const Tensor& l = w.is_distributed() ? w.local() : w;
-    const auto op = operand_of(l.size(1), l.size(2), l.stride(1), l.stride(2));
+    const auto op = ops::gemm_operand_of(l.size(1), l.size(2), l.stride(1), l.stride(2));
     return op && op->trans && l.size(1) > 1 && l.size(2) > 1;
   }
 };
