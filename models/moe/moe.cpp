@@ -62,6 +62,13 @@ MoeRouter::MoeRouter(const MoeOptions& o) : Module("MoeRouter"), options(o) {
   register_buffer("tokens_per_expert", zeros({o.num_experts}), /*persistent=*/false);
 }
 
+void MoeRouter::count(const Tensor& counts) {
+  if (!is_training() || in_checkpoint_recompute()) return;
+  NoGradGuard ng;
+  Tensor& acc = buffer("tokens_per_expert");
+  acc.local().add_(cast(counts, acc.dtype()));
+}
+
 void MoeRouter::reset_parameter(const std::string& name, Tensor& p, RngKey key) {
   if (name == "weight") init::normal_(p, key, 0.0, options.init_std);
   else Module::reset_parameter(name, p, key);
@@ -100,11 +107,6 @@ RouterOutput MoeRouter::route(const Tensor& x) {
     w = w / denom;
   }
   if (o.routed_scaling_factor != 1.0) w = w * o.routed_scaling_factor;
-  if (is_training() && !in_checkpoint_recompute()) {
-    NoGradGuard ng;
-    Tensor& acc = buffer("tokens_per_expert");
-    acc.local().add_(sum(one_hot(chosen.reshape({-1}), e, acc.dtype()), {0}));
-  }
   return {cast(w, x.dtype()), chosen, scores};
 }
 
@@ -188,6 +190,7 @@ Tensor MoE::forward_local(const Tensor& x) {
   Tensor flat = x.reshape({b * t, h});
   RouterOutput r = gate->route(flat);
   MoeRouting order = moe_route(r.experts, o.num_experts);
+  gate->count(order.counts);
   Tensor routed = (*experts)(moe_permute(flat, order.order, k), order.counts);
   Tensor y = moe_unpermute(routed, order.order, r.weights);
   if (shared_experts) y = y + (*shared_experts)(flat);

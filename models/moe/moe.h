@@ -65,9 +65,11 @@ struct RouterOutput {
 class MoeRouter : public Module {
  public:
   explicit MoeRouter(const MoeOptions& o);
-  /// Routes x (N, H). Counts the tokens sent to each expert (tokens_per_expert) when gradients
-  /// are on and this is not an activation-checkpoint recomputation.
+  /// Routes x (N, H).
   RouterOutput route(const Tensor& x);
+  /// Adds the tokens a routing sent to each expert (counts (E), as moe_route gives them) to
+  /// tokens_per_expert, in training mode and outside activation-checkpoint recomputation.
+  void count(const Tensor& counts);
   void reset_parameter(const std::string& local_name, Tensor& param, RngKey key) override;
   /// Keep the expert choice of the first forward for activation-checkpoint recomputation
   /// (moe.ignore_router_for_ac): the recomputed dispatch then equals the forward's.
