@@ -1,17 +1,32 @@
-// Collectives bandwidth under mpirun, reported like nccl-tests: for every op and size, the time
-// per call (the slowest rank's), algbw = bytes / time and busbw = algbw * the op's bus factor
-// (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast and send/recv
-// 1), as counters algbw_GBps and busbw_GBps. With the MPI backend each iteration also times the
-// raw MPI call on the same buffers and reports mpi_busbw_GBps and vs_mpi (raw time / our time).
-// "bytes" is the whole buffer, as in nccl-tests (all_gather: the gathered output).
+// Collectives bandwidth and latency under mpirun, reported like nccl-tests: for every op and size,
+// the time per call (the slowest rank's), algbw = bytes / time and busbw = algbw * the op's bus
+// factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast and
+// send/recv 1), as counters algbw_GBps and busbw_GBps. "bytes" is the whole buffer, as in
+// nccl-tests (all_gather: the gathered output).
+//
+// With the MPI backend every iteration also times, on the same buffers and in rotating order,
+// the raw MPI call a user would make instead (MPI_Allreduce, MPI_Allgather,
+// MPI_Reduce_scatter_block, MPI_Alltoall, MPI_Bcast, MPI_Sendrecv) and, where ours reaches MPI
+// differently, that form too: all_reduce also times MPI_Iallreduce + MPI_Wait, all_to_all also
+// MPI_Alltoallv (what ours calls, so that ranks with unequal splits still match). Counters:
+//   us, mpi_us        median microseconds per call, ours and the raw call a user would make
+//   vs_mpi            mpi_us / us (1 = MPI's speed; the ratio column)
+//   mpi_iallreduce_us / mpi_alltoallv_us   the second raw form, median per call
+//   mpi_busbw_GBps    raw MPI's busbw
+// Small sizes run `reps` calls per timed iteration (16 up to 64 KiB, else 1; --reps=N sets it)
+// so a sub-microsecond difference is not lost in the clock and the per-iteration sync.
+// Medians, not means: the machine may be shared, and a descheduled rank costs one iteration.
 // Rank 0 reports; the others run the same benchmarks silently. The slowest rank's time drives
 // Google Benchmark's iteration count, so every rank runs the same number of iterations.
 //
-//   mpirun -np 4 collectives_bench [--min_bytes=8] [--max_bytes=268435456] [--step=4]
+//   mpirun -np 4 collectives_bench [--min_bytes=8] [--max_bytes=268435456] [--step=4] [--reps=N]
 //          [--dtype=f32|bf16|...] [--benchmark_filter=all_reduce] [--benchmark_format=json]
+//   mpirun -np 2 collectives_bench --max_bytes=65536 --step=4   # the small-message table
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -56,6 +71,7 @@ double bus_factor(Op op, int n) {
 struct Config {
   DType dtype = DType::f32;
   bool raw_mpi = false;  // the world is the MPI backend and the dtype has an MPI counterpart
+  int reps = 0;          // calls per timed iteration; 0: 16 up to 64 KiB, else 1
 };
 Config g_cfg;
 
@@ -73,6 +89,7 @@ MPI_Datatype raw_type(DType dt) {
 struct Buffers {
   Tensor in, out;
   int64_t count = 0;
+  std::vector<int> counts, displs;  // equal parts, for the raw MPI_Alltoallv
 };
 
 Buffers make_buffers(Op op, int64_t count, int n, Device dev) {
@@ -80,6 +97,10 @@ Buffers make_buffers(Op op, int64_t count, int n, Device dev) {
   b.count = count;
   const TensorOptions o{.dtype = g_cfg.dtype, .device = dev};
   const int64_t part = count / n;
+  for (int i = 0; i < n; ++i) {
+    b.counts.push_back(int(part));
+    b.displs.push_back(int(part) * i);
+  }
   switch (op) {
     case Op::all_reduce:
     case Op::broadcast: b.in = b.out = full({count}, 1.0, o); break;
@@ -122,6 +143,42 @@ void run_raw(Op op, Buffers& b, int rank, int n) {
   }
 }
 
+// The second raw form: how ours reaches MPI where that differs from the call a user would make.
+const char* raw2_counter(Op op) {
+  switch (op) {
+    case Op::all_reduce: return "mpi_iallreduce_us";
+    case Op::all_to_all: return "mpi_alltoallv_us";
+    default: return nullptr;
+  }
+}
+
+void run_raw2(Op op, Buffers& b) {
+  const MPI_Datatype t = raw_type(g_cfg.dtype);
+  const int count = int(b.count);
+  void* in = b.in.data_ptr();
+  void* out = b.out.data_ptr();
+  switch (op) {
+    case Op::all_reduce: {
+      MPI_Request r = MPI_REQUEST_NULL;
+      MPI_Iallreduce(MPI_IN_PLACE, out, count, t, MPI_SUM, MPI_COMM_WORLD, &r);
+      MPI_Wait(&r, MPI_STATUS_IGNORE);
+      break;
+    }
+    case Op::all_to_all: {
+      MPI_Alltoallv(in, b.counts.data(), b.displs.data(), t, out, b.counts.data(), b.displs.data(), t, MPI_COMM_WORLD);
+      break;
+    }
+    default: break;
+  }
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
 void bench(benchmark::State& state, Op op) {
   Communicator& c = world();
   const int n = c.size();
@@ -133,27 +190,35 @@ void bench(benchmark::State& state, Op op) {
   const double bytes = double(count) * double(es);
   Buffers b = make_buffers(op, count, n, c.device());
   const bool raw = g_cfg.raw_mpi && c.device().is_cpu();
+  const bool raw2 = raw && raw2_counter(op) != nullptr;
+  const int reps = g_cfg.reps > 0 ? g_cfg.reps : (bytes <= 65536 ? 16 : 1);
   run_quilt(c, op, b);  // warm-up: first-touch pages and connection set-up
   if (raw) run_raw(op, b, c.rank(), n);
-  double ours_total = 0, raw_total = 0;
-  bool raw_first = false;
+  if (raw2) run_raw2(op, b);
+  std::array<std::vector<double>, 3> times;
+  size_t first = 0;
   for (auto _ : state) {
-    const auto [t_ours, t_raw] = time_against_raw(
-        raw_first, raw, [&] { run_quilt(c, op, b); }, [&] { run_raw(op, b, c.rank(), n); });
-    state.SetIterationTime(t_ours);
-    ours_total += t_ours;
-    raw_total += t_raw;
+    const auto t = time_variants<3>(first, reps, {true, raw, raw2}, [&](size_t k) {
+      if (k == 0) run_quilt(c, op, b);
+      else if (k == 1) run_raw(op, b, c.rank(), n);
+      else run_raw2(op, b);
+    });
+    state.SetIterationTime(t[0] * reps);
+    for (size_t k = 0; k < 3; ++k) times[k].push_back(t[k]);
   }
-  const double iters = double(state.iterations());
-  const double algbw = bytes * iters / ours_total / 1e9;
+  const double ours = median(times[0]);
+  const double algbw = bytes / ours / 1e9;
   state.counters["bytes"] = bytes;
+  state.counters["us"] = ours * 1e6;
   state.counters["algbw_GBps"] = algbw;
   state.counters["busbw_GBps"] = algbw * bus_factor(op, n);
   if (raw) {
-    const double raw_algbw = bytes * iters / raw_total / 1e9;
-    state.counters["mpi_busbw_GBps"] = raw_algbw * bus_factor(op, n);
-    state.counters["vs_mpi"] = raw_total / ours_total;
+    const double mpi = median(times[1]);
+    state.counters["mpi_us"] = mpi * 1e6;
+    state.counters["mpi_busbw_GBps"] = bytes / mpi / 1e9 * bus_factor(op, n);
+    state.counters["vs_mpi"] = mpi / ours;
   }
+  if (raw2) state.counters[raw2_counter(op)] = median(times[2]) * 1e6;
 }
 
 
@@ -179,6 +244,7 @@ int main(int argc, char** argv) {
   const int64_t max_bytes = std::atoll(take_flag(argc, argv, "max_bytes", "268435456").c_str());
   const int64_t step = std::max<int64_t>(2, std::atoll(take_flag(argc, argv, "step", "4").c_str()));
   const std::string dtype = take_flag(argc, argv, "dtype", "f32");
+  g_cfg.reps = std::atoi(take_flag(argc, argv, "reps", "0").c_str());
   bool known = false;
   for (int d = 0; d < kNumDTypes; ++d)
     if (dtype == dtype_name(DType(d))) {
