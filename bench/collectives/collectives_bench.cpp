@@ -14,12 +14,13 @@
 //   mpi_iallreduce_us / mpi_alltoallv_us   the second raw form, median per call
 //   mpi_busbw_GBps    raw MPI's busbw
 // Small sizes run `reps` calls per timed iteration (16 up to 64 KiB, else 1; --reps=N sets it)
-// so a sub-microsecond difference is not lost in the clock and the per-iteration sync.
+// so a sub-microsecond difference is not lost in the clock and the per-iteration sync, and a
+// fixed number of timed iterations there (--iters=N, default 1000; 0 lets Google Benchmark pick).
 // Medians, not means: the machine may be shared, and a descheduled rank costs one iteration.
 // Rank 0 reports; the others run the same benchmarks silently. The slowest rank's time drives
 // Google Benchmark's iteration count, so every rank runs the same number of iterations.
 //
-//   mpirun -np 4 collectives_bench [--min_bytes=8] [--max_bytes=268435456] [--step=4] [--reps=N]
+//   mpirun -np 4 collectives_bench [--min_bytes=8] [--max_bytes=268435456] [--step=4] [--reps=N] [--iters=N]
 //          [--dtype=f32|bf16|...] [--benchmark_filter=all_reduce] [--benchmark_format=json]
 //   mpirun -np 2 collectives_bench --max_bytes=65536 --step=4   # the small-message table
 #include <benchmark/benchmark.h>
@@ -72,6 +73,7 @@ struct Config {
   DType dtype = DType::f32;
   bool raw_mpi = false;  // the world is the MPI backend and the dtype has an MPI counterpart
   int reps = 0;          // calls per timed iteration; 0: 16 up to 64 KiB, else 1
+  int iters = 1000;      // timed iterations up to 64 KiB (0: Google Benchmark chooses)
 };
 Config g_cfg;
 
@@ -192,9 +194,11 @@ void bench(benchmark::State& state, Op op) {
   const bool raw = g_cfg.raw_mpi && c.device().is_cpu();
   const bool raw2 = raw && raw2_counter(op) != nullptr;
   const int reps = g_cfg.reps > 0 ? g_cfg.reps : (bytes <= 65536 ? 16 : 1);
-  run_quilt(c, op, b);  // warm-up: first-touch pages and connection set-up
-  if (raw) run_raw(op, b, c.rank(), n);
-  if (raw2) run_raw2(op, b);
+  for (int i = 0; i < 20; ++i) {  // warm-up: first-touch pages, connection set-up, caches
+    run_quilt(c, op, b);
+    if (raw) run_raw(op, b, c.rank(), n);
+    if (raw2) run_raw2(op, b);
+  }
   std::array<std::vector<double>, 3> times;
   size_t first = 0;
   for (auto _ : state) {
@@ -245,6 +249,7 @@ int main(int argc, char** argv) {
   const int64_t step = std::max<int64_t>(2, std::atoll(take_flag(argc, argv, "step", "4").c_str()));
   const std::string dtype = take_flag(argc, argv, "dtype", "f32");
   g_cfg.reps = std::atoi(take_flag(argc, argv, "reps", "0").c_str());
+  g_cfg.iters = std::atoi(take_flag(argc, argv, "iters", "1000").c_str());
   bool known = false;
   for (int d = 0; d < kNumDTypes; ++d)
     if (dtype == dtype_name(DType(d))) {
@@ -268,9 +273,12 @@ int main(int argc, char** argv) {
   if (sizes.empty() || sizes.back() != max_bytes) sizes.push_back(max_bytes);
   for (Op op : {Op::all_reduce, Op::all_gather, Op::reduce_scatter, Op::all_to_all, Op::broadcast, Op::send_recv}) {
     if (op == Op::send_recv && c.size() < 2) continue;
-    auto* b = benchmark::RegisterBenchmark(op_name(op), [op](benchmark::State& s) { bench(s, op); });
-    for (int64_t s : sizes) b->Arg(s);
-    b->ArgName("bytes")->UseManualTime()->Unit(benchmark::kMicrosecond);
+    for (int64_t s : sizes) {
+      auto* b = benchmark::RegisterBenchmark(op_name(op), [op](benchmark::State& st) { bench(st, op); });
+      b->Arg(s)->ArgName("bytes")->UseManualTime()->Unit(benchmark::kMicrosecond);
+      // A fixed count for small sizes: one descheduled first iteration cannot cut the run short.
+      if (s <= 65536 && g_cfg.iters > 0) b->Iterations(g_cfg.iters);
+    }
   }
   log_line("collectives bench: ", c.size(), " ranks, backend ", c.backend(), ", dtype ", dtype_name(g_cfg.dtype));
   run_benchmarks_on_rank0(c.rank());
