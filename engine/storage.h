@@ -1,5 +1,6 @@
 // Memory behind tensors. Storage owns (or borrows, e.g. an mmap) a block of bytes on a
-// device; allocators hand blocks out: the CPU one aligned, the CUDA one a stream-aware cache.
+// device; allocators hand blocks out: the CPU one a size-class cache, the CUDA one a
+// stream-aware cache.
 //
 //   Storage s = Storage::allocate(1024, Device::cpu());   // 64-byte aligned, freed with s
 #pragma once
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "engine/device.h"
 
@@ -32,14 +34,26 @@ struct MemoryStats {
   int64_t num_system_allocs = 0;  // allocations that went to the system (cache misses)
 };
 
-/// The process-wide aligned host allocator.
+/// The process-wide host allocator (64-byte aligned; blocks from 64 KiB up are cached).
 Allocator* cpu_allocator();
 /// Counters of the host allocator.
 MemoryStats cpu_memory_stats();
 /// Resets peak_allocated of the host allocator to the current allocated bytes.
 void reset_cpu_peak_memory();
-/// Returns the host allocator's cached large blocks to the system.
+/// Returns every cached (free) block of the host allocator to the system.
 void empty_cpu_cache();
+/// Bytes held in the host allocator's cached (free) blocks.
+int64_t cpu_cached_bytes();
+/// Caps the host allocator's cached bytes (0: cache nothing); trims the cache to it at once.
+/// The default is QUILT_CPU_CACHE_MAX ("512M", "4G", "1073741824") or a quarter of RAM.
+void set_cpu_cache_limit(int64_t bytes);
+/// The cap on the host allocator's cached bytes.
+int64_t cpu_cache_limit();
+/// The size class a host request of `bytes` is served from (what `reserved` counts for it).
+size_t cpu_size_class(size_t bytes);
+/// Bytes from a QUILT_CPU_CACHE_MAX value: digits with an optional K, M, G or T (powers of 1024).
+/// Throws quilt::Error naming the value when it is malformed.
+int64_t parse_cpu_cache_limit(const std::string& value);
 
 namespace cuda {
 /// Page-locked host memory (cached): staging buffers for device copies. Without CUDA, the
