@@ -26,8 +26,7 @@ AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions opts)
 AdamW::AdamW(std::vector<Tensor> params, AdamWOptions opts)
     : AdamW(std::vector<ParamGroup>{ParamGroup{.params = std::move(params)}}, opts) {}
 
-void AdamW::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
-                   double wd) {
+kernels::cpu::AdamWHyper AdamW::hyper(int64_t step, double lr, double wd) const {
   kernels::cpu::AdamWHyper h;
   h.lr = lr;
   h.beta1 = opts_.beta1;
@@ -36,10 +35,28 @@ void AdamW::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, 
   h.weight_decay = wd;
   h.bias_correction1 = 1.0 - std::pow(opts_.beta1, double(step));
   h.bias_correction2 = 1.0 - std::pow(opts_.beta2, double(step));
+  return h;
+}
+
+void AdamW::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
+                   double wd) {
   Tensor& m = buffers[0];
   Tensor& v = buffers[1];
   kernels::cpu::adamw(p.dtype(), grad.dtype(), m.dtype(), p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(),
-                      p.numel(), h);
+                      p.numel(), hyper(step, lr, wd));
+}
+
+void AdamW::update_all(std::vector<Update>& updates) {
+  std::vector<kernels::cpu::AdamWTensor> list;
+  list.reserve(updates.size());
+  for (Update& u : updates) {
+    Tensor& m = u.buffers[0];
+    Tensor& v = u.buffers[1];
+    list.push_back({.param_dt = u.param.dtype(), .grad_dt = u.grad.dtype(), .state_dt = m.dtype(),
+                    .param = u.param.data_ptr(), .grad = u.grad.data_ptr(), .m = m.data_ptr(), .v = v.data_ptr(),
+                    .n = u.param.numel(), .hyper = hyper(u.step, u.lr, u.weight_decay)});
+  }
+  kernels::cpu::adamw_multi(list);
 }
 
 }  // namespace quilt

@@ -1,12 +1,14 @@
 // AdamW (Loshchilov & Hutter): Adam with decoupled weight decay and bias correction, as
 // torch.optim.AdamW computes it. Moments m and v are kept in f32 even for bf16/f16 parameters
-// (f64 for f64 ones); each parameter is updated in one fused pass (kernels/cpu/optim.cpp).
+// (f64 for f64 ones); a step updates every parameter in one fused pass and one parallel region
+// over all of them (kernels::cpu::adamw_multi).
 //
 //   AdamW opt(model->parameters(), {.lr = 3e-4, .beta2 = 0.95, .weight_decay = 0.1});
 //   loss.backward();  opt.step();  opt.zero_grad();
 #pragma once
 
 #include "engine/optim/optimizer.h"
+#include "kernels/cpu/optim.h"
 
 namespace quilt {
 
@@ -32,8 +34,10 @@ class AdamW : public Optimizer {
  protected:
   void update(Tensor& param, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
               double weight_decay) override;
+  void update_all(std::vector<Update>& updates) override;
 
  private:
+  kernels::cpu::AdamWHyper hyper(int64_t step, double lr, double weight_decay) const;
   AdamWOptions opts_;
 };
 

@@ -90,9 +90,20 @@ Tensor Optimizer::new_buffer(const Tensor& param) const {
   return param.is_distributed() ? Tensor::make_distributed(b, param.dist_spec(), param.shape()) : b;
 }
 
+void Optimizer::update_all(std::vector<Update>& updates) {
+  for (Update& u : updates) update(u.param, u.grad, u.buffers, u.step, u.lr, u.weight_decay);
+}
+
 void Optimizer::step() {
   NoGradGuard ng;
-  ++step_count_;
+  // Every parameter is checked before any state changes, so a bad one leaves the whole step
+  // undone; then all updates are applied at once (one parallel region for AdamW).
+  struct Pending {
+    Group* group;
+    size_t index;
+    Tensor param, grad;
+  };
+  std::vector<Pending> pending;
   for (Group& gr : groups_) {
     for (size_t i = 0; i < gr.params.size(); ++i) {
       const Tensor& p = gr.params[i];
@@ -110,15 +121,23 @@ void Optimizer::step() {
                   param.shape(), ", strides ", param.strides(), ")");
       if (!grad.is_contiguous()) grad = contiguous(grad);
       if (grad.dtype() != param.dtype() && grad.dtype() != DType::f32) grad = cast(grad, param.dtype());
-      ParamState& st = gr.state[i];
-      if (st.buffers.empty())
-        for (size_t b = 0; b < buffer_names_.size(); ++b) st.buffers.push_back(new_buffer(p));
-      ++st.step;
-      std::vector<Tensor> local_buffers;
-      for (const Tensor& b : st.buffers) local_buffers.push_back(b.local());
-      update(param, grad, local_buffers, st.step, gr.lr, gr.weight_decay);
+      pending.push_back({&gr, i, std::move(param), std::move(grad)});
     }
   }
+  ++step_count_;
+  std::vector<Update> updates;
+  updates.reserve(pending.size());
+  for (Pending& pd : pending) {
+    ParamState& st = pd.group->state[pd.index];
+    if (st.buffers.empty())
+      for (size_t b = 0; b < buffer_names_.size(); ++b) st.buffers.push_back(new_buffer(pd.group->params[pd.index]));
+    ++st.step;
+    Update u{.param = std::move(pd.param), .grad = std::move(pd.grad), .buffers = {}, .step = st.step,
+             .lr = pd.group->lr, .weight_decay = pd.group->weight_decay};
+    for (const Tensor& b : st.buffers) u.buffers.push_back(b.local());
+    updates.push_back(std::move(u));
+  }
+  update_all(updates);
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

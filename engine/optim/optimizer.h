@@ -84,6 +84,16 @@ class Optimizer {
   /// are the matching local state buffers (state_dtype); `step` counts this update (1 first).
   virtual void update(Tensor& param, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
                       double weight_decay) = 0;
+  /// One update() argument set; step() gathers those of every parameter with a gradient.
+  struct Update {
+    Tensor param, grad;
+    std::vector<Tensor> buffers;
+    int64_t step = 0;
+    double lr = 0, weight_decay = 0;
+  };
+  /// Applies every update of one step (all groups, in parameter order). The default calls
+  /// update() on each; an optimizer with a multi-tensor kernel overrides it.
+  virtual void update_all(std::vector<Update>& updates);
   /// Dtype of state buffers for `param`: f64 for f64 parameters, f32 otherwise (also for bf16).
   static DType state_dtype(const Tensor& param) { return param.dtype() == DType::f64 ? DType::f64 : DType::f32; }
 

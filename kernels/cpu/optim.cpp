@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/parallel.h"
 
@@ -66,6 +67,15 @@ void adamw_typed(P* param, const G* grad, S* m, S* v, int64_t n, const AdamWHype
   });
 }
 
+// adamw_block on block `k` of one tensor of the list (a pointer per dtype combination).
+template <class P, class G, class S>
+void adamw_block_of(const AdamWTensor& t, int64_t k) {
+  const int64_t off = k * kBlock, len = std::min(kBlock, t.n - off);
+  adamw_block<P, G, S>(static_cast<P*>(t.param) + off, static_cast<const G*>(t.grad) + off,
+                       static_cast<S*>(t.m) + off, static_cast<S*>(t.v) + off, len, t.hyper);
+}
+using BlockFn = void (*)(const AdamWTensor&, int64_t);
+
 template <class P, class G, class S>
 void sgd_typed(P* __restrict param, const G* __restrict grad, S* __restrict buf, int64_t n, const SgdHyper& h) {
   const S lr = S(h.lr), wd = S(h.weight_decay), mom = S(h.momentum), damp = S(1.0 - h.dampening);
@@ -111,6 +121,26 @@ void adamw(DType param_dt, DType grad_dt, DType state_dt, void* param, const voi
     using S = decltype(s);
     adamw_typed<P, G, S>(static_cast<P*>(param), static_cast<const G*>(grad), static_cast<S*>(m),
                          static_cast<S*>(v), n, h);
+  });
+}
+
+void adamw_multi(std::span<const AdamWTensor> tensors) {
+  // first[i]: index of tensor i's first block in the concatenated list of blocks.
+  std::vector<int64_t> first(tensors.size() + 1, 0);
+  std::vector<BlockFn> fns(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const AdamWTensor& t = tensors[i];
+    first[i + 1] = first[i] + (t.n + kBlock - 1) / kBlock;
+    dispatch(t.param_dt, t.grad_dt, t.state_dt, [&](auto p, auto g, auto s) {
+      fns[i] = &adamw_block_of<decltype(p), decltype(g), decltype(s)>;
+    });
+  }
+  parallel_range(first.back(), kOptimGrain / kBlock, [&](int64_t b, int64_t e) {
+    size_t i = size_t(std::upper_bound(first.begin(), first.end(), b) - first.begin()) - 1;
+    for (int64_t k = b; k < e; ++k) {
+      while (k >= first[i + 1]) ++i;
+      fns[i](tensors[i], k - first[i]);
+    }
   });
 }
 

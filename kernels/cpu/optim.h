@@ -1,10 +1,13 @@
 // CPU optimizer kernels: one fused pass over memory per tensor, on raw pointers (OpenMP across
-// chunks, vectorised inside). Arithmetic is in float, or double when the state is f64.
+// chunks, vectorised inside), and AdamW over a list of tensors in one parallel region.
+// Arithmetic is in float, or double when the state is f64.
 //
 //   kernels::cpu::adamw(DType::bf16, DType::bf16, DType::f32, p, g, m, v, n, hyper);
+//   kernels::cpu::adamw_multi(tensors);  // same results, one region for all of them
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "kernels/dtype.h"
 
@@ -24,6 +27,23 @@ struct AdamWHyper {
 /// m, v: state_dt (f32, or f64 with f64 params), updated in place.
 void adamw(DType param_dt, DType grad_dt, DType state_dt, void* param, const void* grad, void* m, void* v,
            int64_t n, const AdamWHyper& h);
+
+/// One tensor of a multi-tensor AdamW step: adamw()'s arguments.
+struct AdamWTensor {
+  DType param_dt = DType::f32, grad_dt = DType::f32, state_dt = DType::f32;
+  void* param = nullptr;
+  const void* grad = nullptr;
+  void* m = nullptr;
+  void* v = nullptr;
+  int64_t n = 0;
+  AdamWHyper hyper;
+};
+
+/// adamw() on every tensor of the list in one parallel region: the tensors' L1-sized blocks
+/// are laid end to end and split evenly across threads, so small tensors (norm weights) share a
+/// thread's work instead of each paying a region. Bit-identical to one adamw() call per tensor
+/// (every block is computed by the same code at the same offsets).
+void adamw_multi(std::span<const AdamWTensor> tensors);
 
 /// One SGD step, as torch.optim.SGD defines it:
 ///   d <- g + weight_decay * p

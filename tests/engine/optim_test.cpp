@@ -5,7 +5,10 @@
 #include <cmath>
 #include <numbers>
 
+#include <omp.h>
+
 #include "engine/engine.h"
+#include "kernels/cpu/optim.h"
 
 using namespace quilt;
 
@@ -139,6 +142,132 @@ TEST_CASE("optim: AdamW matches a float64 reference with bf16 parameters and f32
   // The kernel computes in f32 and rounds once to bf16; the reference rounds its f64 result,
   // so the two may land one bf16 step apart.
   run_adamw_against_reference(DType::bf16, 1.0 / 128, 1e-3);
+}
+
+TEST_CASE("optim: multi-tensor AdamW is bit-identical to one kernel call per tensor") {
+  // Mixed sizes around the kernel's 1024-element blocks and its parallel grain, mixed dtypes
+  // (f32, bf16 with bf16 or f32 gradients, f64 with f64 state), per-tensor hyperparameters.
+  struct Case {
+    int64_t n;
+    DType p, g;
+  };
+  const std::vector<Case> cases = {{0, DType::f32, DType::f32},        {1, DType::f32, DType::f32},
+                                   {1023, DType::bf16, DType::bf16},   {1025, DType::f32, DType::f32},
+                                   {70001, DType::f32, DType::f32},    {4096, DType::bf16, DType::f32},
+                                   {3000, DType::f64, DType::f64},     {200000, DType::f32, DType::f32},
+                                   {517, DType::f16, DType::f16}};
+  std::vector<Tensor> p1, p2, g, m1, m2, v1, v2;
+  std::vector<kernels::cpu::AdamWHyper> hs;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const DType st = c.p == DType::f64 ? DType::f64 : DType::f32;
+    const std::string k = std::to_string(i);
+    p1.push_back(randn({c.n}, RngKey(1, "p" + k), {.dtype = c.p}));
+    p2.push_back(p1.back().clone());
+    g.push_back(randn({c.n}, RngKey(1, "g" + k), {.dtype = c.g}));
+    m1.push_back(randn({c.n}, RngKey(1, "m" + k), {.dtype = st}) * 0.01);
+    m2.push_back(m1.back().clone());
+    v1.push_back(rand({c.n}, RngKey(1, "v" + k), {.dtype = st}) * 0.01);
+    v2.push_back(v1.back().clone());
+    hs.push_back({.lr = 1e-3 * double(i + 1), .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1,
+                  .bias_correction1 = 1 - std::pow(0.9, double(i + 1)),
+                  .bias_correction2 = 1 - std::pow(0.95, double(i + 1))});
+  }
+  std::vector<kernels::cpu::AdamWTensor> list;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    kernels::cpu::adamw(cases[i].p, cases[i].g, m1[i].dtype(), p1[i].data_ptr(), g[i].data_ptr(), m1[i].data_ptr(),
+                        v1[i].data_ptr(), cases[i].n, hs[i]);
+    list.push_back({.param_dt = cases[i].p, .grad_dt = cases[i].g, .state_dt = m2[i].dtype(),
+                    .param = p2[i].data_ptr(), .grad = g[i].data_ptr(), .m = m2[i].data_ptr(), .v = v2[i].data_ptr(),
+                    .n = cases[i].n, .hyper = hs[i]});
+  }
+  for (int threads : {1, 2, 3}) {  // the split across threads does not change a bit
+    std::vector<Tensor> p3, m3, v3;
+    std::vector<kernels::cpu::AdamWTensor> l3 = list;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      p3.push_back(p1[i].clone());
+      m3.push_back(m1[i].clone());
+      v3.push_back(v1[i].clone());
+      l3[i].param = p3[i].data_ptr();
+      l3[i].m = m3[i].data_ptr();
+      l3[i].v = v3[i].data_ptr();
+    }
+    (void)p3;
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    kernels::cpu::adamw_multi(l3);
+    omp_set_num_threads(before);
+    // p3 started from the per-tensor result: one more step must match one more per-tensor step.
+    for (size_t i = 0; i < cases.size(); ++i) {
+      Tensor pe = p1[i].clone(), me = m1[i].clone(), ve = v1[i].clone();
+      kernels::cpu::adamw(cases[i].p, cases[i].g, me.dtype(), pe.data_ptr(), g[i].data_ptr(), me.data_ptr(),
+                          ve.data_ptr(), cases[i].n, hs[i]);
+      CAPTURE(i);
+      CAPTURE(threads);
+      CHECK(p3[i].to_vector() == pe.to_vector());
+      CHECK(m3[i].to_vector() == me.to_vector());
+      CHECK(v3[i].to_vector() == ve.to_vector());
+    }
+  }
+  kernels::cpu::adamw_multi(list);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    CAPTURE(i);
+    CHECK(p2[i].to_vector() == p1[i].to_vector());
+    CHECK(m2[i].to_vector() == m1[i].to_vector());
+    CHECK(v2[i].to_vector() == v1[i].to_vector());
+  }
+  kernels::cpu::adamw_multi({});  // an empty list is a no-op
+}
+
+TEST_CASE("optim: AdamW's step (one multi-tensor pass) equals per-tensor kernel calls bit for bit") {
+  Tensor a = param("a", {300, 7}, DType::f32), b = param("b", {5000}, DType::bf16), c = param("c", {3}, DType::f32);
+  AdamW opt({{.params = {a, b}}, {.params = {c}, .lr = 0.02, .weight_decay = 0.0}},
+            {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1});
+  std::vector<Tensor> ps = {a, b, c}, shadow, ms, vs;
+  for (const Tensor& p : ps) {
+    shadow.push_back(p.detach().clone());
+    ms.push_back(zeros(p.shape()));
+    vs.push_back(zeros(p.shape()));
+  }
+  const double lrs[] = {0.05, 0.05, 0.02}, wds[] = {0.1, 0.1, 0.0};
+  for (int step = 1; step <= 3; ++step) {
+    for (size_t k = 0; k < 3; ++k) {
+      ps[k].set_grad(fake_grad(ps[k], step, k == 1 ? DType::f32 : ps[k].dtype()));
+      const Tensor gr = ps[k].grad();
+      kernels::cpu::AdamWHyper h{.lr = lrs[k], .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = wds[k],
+                                 .bias_correction1 = 1 - std::pow(0.9, double(step)),
+                                 .bias_correction2 = 1 - std::pow(0.99, double(step))};
+      kernels::cpu::adamw(shadow[k].dtype(), gr.dtype(), DType::f32, shadow[k].data_ptr(), gr.data_ptr(),
+                          ms[k].data_ptr(), vs[k].data_ptr(), shadow[k].numel(), h);
+    }
+    opt.step();
+    for (size_t k = 0; k < 3; ++k) {
+      CAPTURE(step);
+      CAPTURE(k);
+      CHECK(ps[k].to_vector() == shadow[k].to_vector());
+    }
+  }
+}
+
+TEST_CASE("optim: a bad parameter anywhere leaves the whole step undone") {
+  // Every parameter is checked before any is updated: 'a' (first) keeps its value and state.
+  Tensor a = param("a", {4}, DType::f32);
+  Tensor wide = randn({3, 4}, RngKey(0, "wide"));
+  Tensor view = wide.transpose(0, 1).set_name("view");
+  view.set_requires_grad(true);
+  AdamW opt({a, view});
+  const Vec a0 = a.to_vector();
+  a.set_grad(ones({4}));
+  view.set_grad(ones({4, 3}));
+  CHECK_THROWS_WITH_AS(opt.step(), "[adamw] parameter 'view' is not contiguous (shape (4, 3), strides (1, 4))", Error);
+  CHECK(a.to_vector() == a0);
+  CHECK(opt.step_count() == 0);
+  CHECK(opt.state_dict().tensors.size() == 0);
+  view.set_grad(Tensor());
+  opt.step();
+  CHECK(opt.step_count() == 1);
+  CHECK(opt.state_dict().scalars.at("state.a.step") == 1.0);
+  CHECK(a.to_vector() != a0);
 }
 
 TEST_CASE("optim: SGD with momentum, dampening, nesterov and weight decay matches a float64 reference") {
