@@ -1,6 +1,6 @@
-// Rotary embedding and scaled dot-product attention, both composites of other ops (matmul,
-// softmax, where, views), so they need no backward of their own and run on every device those
-// ops run on. A fused (flash) attention kernel would become a primitive beside these.
+// Scaled dot-product attention, a composite of other ops (matmul, softmax, where, views), so it
+// needs no backward of its own and runs on every device those ops run on. A fused (flash)
+// attention kernel would become a primitive beside it. (rotary_embedding is in nn.cpp.)
 #include <cmath>
 #include <limits>
 
@@ -33,36 +33,6 @@ Tensor causal_mask(int64_t t, int64_t s, Device device) {
 }
 
 }  // namespace
-
-Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  QUILT_CHECK(x.defined() && cos.defined() && sin.defined(), "[rotary_embedding] got an undefined tensor");
-  QUILT_CHECK(is_floating(x.dtype()) && is_floating(cos.dtype()) && is_floating(sin.dtype()),
-              "[rotary_embedding] needs floating tensors, got x ", dtype_name(x.dtype()), ", cos ",
-              dtype_name(cos.dtype()), ", sin ", dtype_name(sin.dtype()));
-  QUILT_CHECK(x.dim() >= 2, "[rotary_embedding] x must be (..., T, D), got shape ", x.shape());
-  const int64_t d = x.size(-1);
-  QUILT_CHECK(d % 2 == 0, "[rotary_embedding] the last dim of x must be even, got shape ", x.shape());
-  QUILT_CHECK(cos.shape() == sin.shape(), "[rotary_embedding] cos ", cos.shape(), " and sin ", sin.shape(),
-              " differ in shape");
-  Shape half = x.shape();
-  half.back() = d / 2;
-  QUILT_CHECK(cos.dim() >= 1 && broadcasts_to(cos.shape(), half) && cos.size(-1) == d / 2,
-              "[rotary_embedding] tables of shape ", cos.shape(), " do not broadcast to ", half, " (x of shape ",
-              x.shape(), ")");
-  (void)common_device("rotary_embedding", {x, cos, sin});
-  // x viewed as (..., T, 2, D/2): row 0 holds x1 = x[..., :D/2], row 1 holds x2. Then
-  // out = x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1) built by a where
-  // over the size-2 dim, so no cat (and no copy of x beyond the arithmetic) is needed.
-  const Tensor c = unsqueeze(cast(cos, x.dtype()), -2);  // (..., T, 1, D/2)
-  const Tensor s = unsqueeze(cast(sin, x.dtype()), -2);
-  Shape pairs(x.shape().begin(), x.shape().end() - 1);
-  pairs.push_back(2);
-  pairs.push_back(d / 2);
-  const Tensor xs = reshape(x, pairs);
-  const Tensor first = from_vector({1, 0}, {2, 1}, {.dtype = DType::b8, .device = x.device()});
-  const Tensor rot = where(first, neg(narrow(xs, -2, 1, 1)), narrow(xs, -2, 0, 1));
-  return reshape(xs * c + rot * s, x.shape());
-}
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal,
                                     std::optional<double> scale) {

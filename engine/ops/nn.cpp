@@ -1,7 +1,9 @@
-// Softmax family, cross entropy, norms, embedding, swiglu and dropout. The fused ones are
-// primitives whose backward calls a fused backward primitive (SoftmaxBackward, ...), so every
-// gradient is still an op. Kernels: kernels/cpu/nn.h; CUDA for softmax and cross entropy.
-// rotary_embedding and scaled_dot_product_attention live in attention.cpp.
+// Softmax family, cross entropy, norms (and residual add + RMS norm), embedding, swiglu, rotary
+// embedding and dropout. The fused ones are primitives whose backward calls a fused backward
+// primitive (SoftmaxBackward, ...), so every gradient is still an op. Kernels:
+// kernels/cpu/nn.h; CUDA for softmax and cross entropy. swiglu, add_rms_norm and
+// rotary_embedding fall back to their composite forms for distributed or device tensors.
+// scaled_dot_product_attention lives in attention.cpp.
 #include "engine/ops/nn.h"
 
 #include <cmath>
@@ -41,6 +43,23 @@ Shape lead_shape(const Tensor& t) { return Shape(t.shape().begin(), t.shape().en
 void* stream_of(const Tensor& t) { return ops::stream_handle(t.device()); }
 
 bool is_index_dtype(DType d) { return d == DType::i32 || d == DType::i64; }
+
+// True when `s` broadcasts to exactly `target` (NumPy rules, never growing target).
+bool broadcasts_to(const Shape& s, const Shape& target) {
+  if (s.size() > target.size()) return false;
+  const size_t lead = target.size() - s.size();
+  for (size_t i = 0; i < s.size(); ++i)
+    if (s[i] != 1 && s[i] != target[lead + i]) return false;
+  return true;
+}
+
+// The fused CPU primitives take local (non-distributed) CPU tensors; distributed or device
+// tensors go through the composite forms, whose ops carry sharding rules and device kernels.
+bool fused_cpu(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->defined() && (t->is_distributed() || !t->device().is_cpu())) return false;
+  return true;
+}
 
 // Calls f(p, n) with the values of an integer tensor on the host (a copy for CUDA tensors).
 template <class F>
@@ -141,9 +160,13 @@ void check_targets(const Tensor& target, int64_t classes, int64_t ignore) {
   });
 }
 
-Tensor cross_entropy_backward_op(const Tensor& g, const Tensor& logits, const Tensor& target, int64_t ignore);
+Tensor cross_entropy_backward_op(const Tensor& g, const Tensor& logits, const Tensor& target, int64_t ignore,
+                                 const Tensor& lse = {});
 
-// (logits (N, C), target (N)) -> per-row loss (N) in f32 (f64 for f64 logits on the CPU).
+// (logits (N, C), target (N)) -> per-row loss (N) in f32 (f64 for f64 logits on the CPU). On the
+// CPU the forward also keeps each row's logsumexp (N floats), so that the backward forms
+// softmax - onehot in one pass over the logits; it is kept aside rather than returned (the
+// op's outputs, and so its sharding rules, stay as they are) and only for local logits.
 class CrossEntropy final : public Primitive {
  public:
   explicit CrossEntropy(int64_t ignore) : ignore_(ignore) {}
@@ -157,8 +180,9 @@ class CrossEntropy final : public Primitive {
     check_targets(t, c, ignore_);
     if (x.device().is_cpu()) {
       Tensor loss = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
+      lse_ = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
       kernels::cpu::cross_entropy_forward(x.dtype(), loss.data_ptr(), x.data_ptr(), t.dtype(), t.data_ptr(), n, c,
-                                          ignore_);
+                                          ignore_, lse_.data_ptr());
       return {loss};
     }
     Tensor loss = Tensor::empty({n}, {.dtype = DType::f32, .device = x.device()});
@@ -170,20 +194,26 @@ class CrossEntropy final : public Primitive {
     return {loss};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
-    saved_ = {in[0].detach(), in[1].detach()};
+    // Under a distributed dispatcher forward() saw local pieces (perhaps a vocabulary shard):
+    // their logsumexp is not the whole rows', so the backward recomputes it.
+    const bool local = !in[0].is_distributed() && !in[1].is_distributed();
+    saved_ = {in[0].detach(), in[1].detach(), local ? lse_ : Tensor()};
+    lse_ = Tensor();
   }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
-    return {cross_entropy_backward_op(ctx.grads[0], saved_[0], saved_[1], ignore_), Tensor()};
+    return {cross_entropy_backward_op(ctx.grads[0], saved_[0], saved_[1], ignore_, saved_[2]), Tensor()};
   }
 
  private:
   int64_t ignore_;
+  Tensor lse_;  // (N) from the last CPU forward, until save()
 };
 
-// (g (N), logits (N, C), target (N)) -> g[r] * (softmax(logits[r]) - onehot(target[r])).
+// (g (N), logits (N, C), target (N)) -> g[r] * (softmax(logits[r]) - onehot(target[r])). `lse`
+// (N), the forward's row logsumexp, when known: used only when the logits arrive whole.
 class CrossEntropyBackward final : public Primitive {
  public:
-  explicit CrossEntropyBackward(int64_t ignore) : ignore_(ignore) {}
+  CrossEntropyBackward(int64_t ignore, Tensor lse) : ignore_(ignore), lse_(std::move(lse)) {}
   const char* name() const override { return "cross_entropy_backward"; }
   Attrs attrs() const override { return {{"ignore_index", ignore_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
@@ -193,8 +223,10 @@ class CrossEntropyBackward final : public Primitive {
     Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
     if (x.device().is_cpu()) {
       const Tensor g = contiguous(cast(in[0].detach(), stat_dtype(x.dtype())));
+      const bool use_lse = lse_.defined() && lse_.numel() == n && lse_.dtype() == stat_dtype(x.dtype()) &&
+                           lse_.device().is_cpu();
       kernels::cpu::cross_entropy_backward(x.dtype(), gx.data_ptr(), x.data_ptr(), t.dtype(), t.data_ptr(),
-                                           g.data_ptr(), n, c, ignore_);
+                                           g.data_ptr(), n, c, ignore_, use_lse ? lse_.data_ptr() : nullptr);
     } else if (n > 0 && c > 0) {
       const Tensor g = contiguous(cast(in[0].detach(), DType::f32));
       const Tensor t64 = contiguous(cast(t, DType::i64));
@@ -220,10 +252,13 @@ class CrossEntropyBackward final : public Primitive {
 
  private:
   int64_t ignore_;
+  Tensor lse_;
 };
 
-Tensor cross_entropy_backward_op(const Tensor& g, const Tensor& logits, const Tensor& target, int64_t ignore) {
-  return apply1(std::make_shared<CrossEntropyBackward>(ignore), {g, logits, target});
+Tensor cross_entropy_backward_op(const Tensor& g, const Tensor& logits, const Tensor& target, int64_t ignore,
+                                 const Tensor& lse) {
+  const bool local = !g.is_distributed() && !logits.is_distributed() && !target.is_distributed();
+  return apply1(std::make_shared<CrossEntropyBackward>(ignore, local ? lse : Tensor()), {g, logits, target});
 }
 
 // ---- RMS norm ----
@@ -290,6 +325,168 @@ std::vector<Tensor> RmsNorm::backward(const BackwardContext& ctx) {
   if (!has_w_) return {out[0]};
   return {out[0], want_gw ? out[1] : Tensor()};
 }
+
+// ---- residual add + RMS norm ----
+
+class AddRmsNormBackward;
+
+// (x, r, [weight]) -> (h = x + r, y = rms_norm(h), rstd); h and y carry gradients.
+class AddRmsNorm final : public Primitive {
+ public:
+  AddRmsNorm(double eps, bool has_w) : eps_(eps), has_w_(has_w) {}
+  const char* name() const override { return "add_rms_norm"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor x = contiguous(in[0].detach());
+    const Tensor r = contiguous(in[1].detach());
+    const Tensor w = has_w_ ? contiguous(in[2].detach()) : Tensor();
+    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
+    Tensor h = Tensor::empty(x.shape(), {.dtype = x.dtype()});
+    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype()});
+    Tensor rstd = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype())});
+    kernels::cpu::add_rms_norm_forward(x.dtype(), h.data_ptr(), y.data_ptr(), rstd.data_ptr(), x.data_ptr(),
+                                       r.data_ptr(), has_w_ ? w.data_ptr() : nullptr, rows, cols, eps_);
+    return {h, y, rstd};
+  }
+  bool differentiable_output(size_t i, const Tensor&) const override { return i < 2; }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
+    saved_ = {out[0].detach(), has_w_ ? in[2].detach() : Tensor(), out[2].detach()};
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override;
+
+ private:
+  double eps_;
+  bool has_w_;
+};
+
+// (g_y, [g_h], h, [weight], rstd) -> (grad_h, [grad_weight]): the norm's backward with the
+// gradient that reaches h directly added in the same pass. Not differentiable itself.
+class AddRmsNormBackward final : public Primitive {
+ public:
+  AddRmsNormBackward(bool has_gh, bool has_w, bool want_gw) : has_gh_(has_gh), has_w_(has_w), want_gw_(want_gw) {}
+  const char* name() const override { return "add_rms_norm_backward"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    size_t k = 0;
+    const Tensor g = contiguous(in[k++].detach());
+    const Tensor gh = has_gh_ ? contiguous(in[k++].detach()) : Tensor();
+    const Tensor h = contiguous(in[k++].detach());
+    const Tensor w = has_w_ ? contiguous(in[k++].detach()) : Tensor();
+    const Tensor rstd = contiguous(in[k].detach());
+    const int64_t cols = h.size(-1), rows = numel_of(lead_shape(h));
+    Tensor gx = Tensor::empty(h.shape(), {.dtype = h.dtype()});
+    Tensor gw = want_gw_ ? Tensor::empty({cols}, {.dtype = h.dtype()}) : Tensor();
+    kernels::cpu::add_rms_norm_backward(h.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr, g.data_ptr(),
+                                        has_gh_ ? gh.data_ptr() : nullptr, h.data_ptr(),
+                                        has_w_ ? w.data_ptr() : nullptr, rstd.data_ptr(), rows, cols);
+    if (want_gw_) return {gx, gw};
+    return {gx};
+  }
+
+ private:
+  bool has_gh_, has_w_, want_gw_;
+};
+
+std::vector<Tensor> AddRmsNorm::backward(const BackwardContext& ctx) {
+  const Tensor& h = saved_[0];
+  auto as_h = [&](const Tensor& g) { return !g.defined() || g.dtype() == h.dtype() ? g : cast(g, h.dtype()); };
+  const Tensor gh = as_h(ctx.grads[0]);
+  const Tensor gy = as_h(ctx.grads[1]);
+  const bool want_gw = has_w_ && ctx.needs[2];
+  Tensor grad_h, grad_w;
+  if (!gy.defined()) {  // only h was used: the norm contributes nothing
+    grad_h = gh;
+    if (want_gw) grad_w = zeros({h.size(-1)}, {.dtype = h.dtype()});
+  } else {
+    std::vector<Tensor> in{gy};
+    if (gh.defined()) in.push_back(gh);
+    in.push_back(h);
+    if (has_w_) in.push_back(saved_[1]);
+    in.push_back(saved_[2]);
+    std::vector<Tensor> out =
+        quilt::apply(std::make_shared<AddRmsNormBackward>(gh.defined(), has_w_, want_gw), in);
+    grad_h = out[0];
+    if (want_gw) grad_w = out[1];
+  }
+  if (!has_w_) return {grad_h, grad_h};
+  return {grad_h, grad_h, grad_w};
+}
+
+// ---- swiglu ----
+
+// (g, u) -> (g, u) gradients of silu(gate) * up. Not differentiable itself.
+class SwigluBackward final : public Primitive {
+ public:
+  const char* name() const override { return "swiglu_backward"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor g = contiguous(in[0].detach());
+    const Tensor gate = contiguous(in[1].detach());
+    const Tensor up = contiguous(in[2].detach());
+    Tensor dg = Tensor::empty(gate.shape(), {.dtype = gate.dtype()});
+    Tensor du = Tensor::empty(gate.shape(), {.dtype = gate.dtype()});
+    kernels::cpu::swiglu_backward(gate.dtype(), dg.data_ptr(), du.data_ptr(), g.data_ptr(), gate.data_ptr(),
+                                  up.data_ptr(), gate.numel());
+    return {dg, du};
+  }
+};
+
+// (gate, up) of one shape and dtype -> silu(gate) * up in one pass.
+class Swiglu final : public Primitive {
+ public:
+  const char* name() const override { return "swiglu"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor gate = contiguous(in[0].detach());
+    const Tensor up = contiguous(in[1].detach());
+    Tensor out = Tensor::empty(gate.shape(), {.dtype = gate.dtype()});
+    kernels::cpu::swiglu_forward(gate.dtype(), out.data_ptr(), gate.data_ptr(), up.data_ptr(), gate.numel());
+    return {out};
+  }
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
+    saved_ = {in[0].detach(), in[1].detach()};
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    const Tensor& gate = saved_[0];
+    const Tensor g = ctx.grads[0].dtype() == gate.dtype() ? ctx.grads[0] : cast(ctx.grads[0], gate.dtype());
+    return quilt::apply(std::make_shared<SwigluBackward>(), {g, gate, saved_[1]});
+  }
+};
+
+// ---- rotary embedding ----
+
+// x (..., D) -> x rotated by the tables (held here in the compute dtype with their broadcast
+// strides; see kernels::cpu::RopeLayout). Linear in x: the backward is the inverse rotation.
+class Rope final : public Primitive {
+ public:
+  Rope(Tensor cos, Tensor sin, bool inverse) : cos_(std::move(cos)), sin_(std::move(sin)), inverse_(inverse) {}
+  const char* name() const override { return inverse_ ? "rotary_embedding_backward" : "rotary_embedding"; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    Tensor x = in[0].detach();
+    if (x.dim() > 0 && x.stride(-1) != 1) x = contiguous(x);
+    const int64_t nd = x.dim(), lead = nd - 1;
+    kernels::cpu::RopeLayout l;
+    l.ndim = int(lead);
+    l.d = x.size(-1);
+    const int64_t tdim = cos_.dim();
+    const Shape tstr = contiguous_strides(cos_.shape());
+    for (int64_t j = 0; j < lead; ++j) {
+      const int64_t jt = j - (nd - tdim);  // the table's dim aligned with x's dim j
+      l.lead[j] = x.size(j);
+      l.x_strides[j] = x.stride(j);
+      l.table_strides[j] = jt < 0 || cos_.size(jt) == 1 ? 0 : tstr[size_t(jt)];
+    }
+    Tensor out = Tensor::empty(x.shape(), {.dtype = x.dtype()});
+    if (x.numel() > 0)
+      kernels::cpu::rope_forward(x.dtype(), out.data_ptr(), x.data_ptr(), cos_.data_ptr(), sin_.data_ptr(), l,
+                                 inverse_);
+    return {out};
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    const Tensor g = ctx.grads[0].dtype() == ctx.inputs[0].dtype ? ctx.grads[0] : cast(ctx.grads[0], ctx.inputs[0].dtype);
+    return {apply1(std::make_shared<Rope>(cos_, sin_, !inverse_), {g})};
+  }
+
+ private:
+  Tensor cos_, sin_;  // contiguous, stat_dtype(x)
+  bool inverse_;
+};
 
 // ---- layer norm ----
 
@@ -546,7 +743,66 @@ Tensor swiglu(const Tensor& gate, const Tensor& up) {
   QUILT_CHECK(is_floating(gate.dtype()) && is_floating(up.dtype()), "[swiglu] needs floating tensors, got ",
               dtype_name(gate.dtype()), " and ", dtype_name(up.dtype()));
   (void)broadcast_shapes(gate.shape(), up.shape(), "swiglu");
+  if (gate.shape() == up.shape() && gate.dtype() == up.dtype() && fused_cpu({&gate, &up}))
+    return apply1(std::make_shared<Swiglu>(), {gate, up});
   return silu(gate) * up;
+}
+
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps) {
+  check_norm_input("add_rms_norm", x, eps);
+  QUILT_CHECK(residual.defined(), "[add_rms_norm] got an undefined residual");
+  QUILT_CHECK(residual.shape() == x.shape() && residual.dtype() == x.dtype(), "[add_rms_norm] residual ",
+              residual.shape(), " ", dtype_name(residual.dtype()), " does not match x ", x.shape(), " ",
+              dtype_name(x.dtype()));
+  const Tensor w = norm_param("add_rms_norm", "weight", weight, x);
+  (void)common_device("add_rms_norm", {x, residual, w});
+  if (!fused_cpu({&x, &residual, &w})) {
+    const Tensor h = x + residual;
+    return {h, rms_norm(h, w, eps)};
+  }
+  std::vector<Tensor> in{x, residual};
+  if (w.defined()) in.push_back(w);
+  std::vector<Tensor> out = quilt::apply(std::make_shared<AddRmsNorm>(eps, w.defined()), in);
+  return {out[0], out[1]};
+}
+
+Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  QUILT_CHECK(x.defined() && cos.defined() && sin.defined(), "[rotary_embedding] got an undefined tensor");
+  QUILT_CHECK(is_floating(x.dtype()) && is_floating(cos.dtype()) && is_floating(sin.dtype()),
+              "[rotary_embedding] needs floating tensors, got x ", dtype_name(x.dtype()), ", cos ",
+              dtype_name(cos.dtype()), ", sin ", dtype_name(sin.dtype()));
+  QUILT_CHECK(x.dim() >= 2, "[rotary_embedding] x must be (..., T, D), got shape ", x.shape());
+  const int64_t d = x.size(-1);
+  QUILT_CHECK(d % 2 == 0, "[rotary_embedding] the last dim of x must be even, got shape ", x.shape());
+  QUILT_CHECK(cos.shape() == sin.shape(), "[rotary_embedding] cos ", cos.shape(), " and sin ", sin.shape(),
+              " differ in shape");
+  Shape half = x.shape();
+  half.back() = d / 2;
+  QUILT_CHECK(cos.dim() >= 1 && broadcasts_to(cos.shape(), half) && cos.size(-1) == d / 2,
+              "[rotary_embedding] tables of shape ", cos.shape(), " do not broadcast to ", half, " (x of shape ",
+              x.shape(), ")");
+  (void)common_device("rotary_embedding", {x, cos, sin});
+  if (fused_cpu({&x, &cos, &sin}) && !cos.requires_grad() && !sin.requires_grad()) {
+    // Tables rounded to x's dtype (as the composite does), then held in the compute dtype.
+    auto table = [&](const Tensor& t) {
+      NoGradGuard ng;
+      return contiguous(cast(cast(t, x.dtype()), stat_dtype(x.dtype())));
+    };
+    return apply1(std::make_shared<Rope>(table(cos), table(sin), false), {x});
+  }
+  // Composite (gradients for the tables, distributed or device tensors): x viewed as
+  // (..., T, 2, D/2): row 0 holds x1 = x[..., :D/2], row 1 holds x2. Then
+  // out = x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1) built by a where
+  // over the size-2 dim, so no cat (and no copy of x beyond the arithmetic) is needed.
+  const Tensor c = unsqueeze(cast(cos, x.dtype()), -2);  // (..., T, 1, D/2)
+  const Tensor s = unsqueeze(cast(sin, x.dtype()), -2);
+  Shape pairs(x.shape().begin(), x.shape().end() - 1);
+  pairs.push_back(2);
+  pairs.push_back(d / 2);
+  const Tensor xs = reshape(x, pairs);
+  const Tensor first = from_vector({1, 0}, {2, 1}, {.dtype = DType::b8, .device = x.device()});
+  const Tensor rot = where(first, neg(narrow(xs, -2, 1, 1)), narrow(xs, -2, 0, 1));
+  return reshape(xs * c + rot * s, x.shape());
 }
 
 Tensor dropout_mask(const Shape& shape, double p, RngKey key, Device device) {

@@ -1,11 +1,13 @@
 // Neural-network ops: softmax family, cross entropy, embedding, norms, rotary embedding,
 // attention, swiglu, dropout.
 //
-// softmax, log_softmax, cross_entropy, rms_norm, layer_norm and embedding are primitives with
-// fused CPU kernels (kernels/cpu/nn.h); softmax and cross_entropy also run on CUDA. bf16/f16
-// inputs are computed in f32 inside the kernels and rounded once. rotary_embedding,
-// scaled_dot_product_attention, swiglu and the CUDA path of dropout are composites of other ops,
-// so they run wherever those ops do. Ops without a CUDA kernel throw
+// softmax, log_softmax, cross_entropy, rms_norm, add_rms_norm, layer_norm, embedding, swiglu
+// and rotary_embedding are primitives with fused CPU kernels (kernels/cpu/nn.h), forward and
+// backward; softmax and cross_entropy also run on CUDA. bf16/f16 inputs are computed in f32
+// inside the kernels and rounded once. swiglu, add_rms_norm and rotary_embedding take their
+// composite form (other ops) for distributed or CUDA tensors, rotary_embedding also when a
+// table needs a gradient; scaled_dot_product_attention and the CUDA path of dropout are
+// composites, so they run wherever those ops do. Ops without a CUDA kernel throw
 // "[op] has no CUDA implementation in this build" for CUDA tensors. The backward of
 // softmax, log_softmax, cross_entropy, embedding and dropout is itself differentiable in the
 // incoming gradient; that of the norms is not (it throws "[rms_norm_backward] is not differentiable").
@@ -16,6 +18,7 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 
 #include "engine/random.h"
 #include "engine/tensor.h"
@@ -41,12 +44,18 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 /// x / sqrt(mean(x^2, -1) + eps) * weight (weight (D) over the last dim; may be undefined).
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+/// (h, y) with h = x + residual and y = rms_norm(h, weight, eps), in one pass (the residual
+/// add of a pre-norm block fused into the norm that follows it); both carry gradients, and
+/// the backward adds h's own gradient to the norm's in the same pass. residual: x's shape and dtype.
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                       double eps = 1e-6);
 /// (x - mean) / sqrt(var + eps) * weight + bias over the last dim, biased variance
 /// (weight/bias (D) may be undefined).
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 /// Rotary embedding of x (..., T, D) with cos/sin tables broadcastable to (..., T, D/2) — usually
 /// x (B, H, T, D) and tables (T, D/2) — rotating pairs (x[..., i], x[..., i + D/2]) as HF Llama's
-/// rotate_half does. The tables are cast to x's dtype.
+/// rotate_half does. The tables are cast to x's dtype (then computed in f32 for bf16/f16 x).
+/// Returns a contiguous tensor of x's shape.
 Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin);
 /// Scaled dot-product attention. q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) with Hq a
 /// multiple of Hkv (grouped-query heads: query head h reads kv head h / (Hq / Hkv); k and v are

@@ -111,23 +111,32 @@ C logsumexp(const CArr<C>& x) {
 }
 
 template <class T, class I>
-void ce_fwd(compute_t<T>* loss, const T* logits, const I* target, int64_t rows, int64_t cols, int64_t ignore) {
+void ce_fwd(compute_t<T>* loss, compute_t<T>* lse, const T* logits, const I* target, int64_t rows, int64_t cols,
+            int64_t ignore) {
   using S = Scratch<T>;
   using C = typename S::C;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
     S s(cols);
     for (int64_t r = b; r < e; ++r) {
       const int64_t t = int64_t(target[r]);
-      if (t == ignore) { loss[r] = C(0); continue; }
+      if (t == ignore) {
+        loss[r] = C(0);
+        if (lse) lse[r] = C(0);
+        continue;
+      }
       CArr<C> x(S::load(logits + r * cols, cols, s.a), cols);
-      loss[r] = logsumexp(x) - x[t];
+      const C l = logsumexp(x);
+      loss[r] = l - x[t];
+      if (lse) lse[r] = l;
     }
   });
 }
 
+// With the forward's lse the softmax is never formed apart from the gradient: one read of the
+// row, one write. Without it, the row's logsumexp is recomputed (the row is then in cache).
 template <class T, class I>
-void ce_bwd(T* grad, const T* logits, const I* target, const compute_t<T>* scale, int64_t rows, int64_t cols,
-            int64_t ignore) {
+void ce_bwd(T* grad, const T* logits, const I* target, const compute_t<T>* scale, const compute_t<T>* lse,
+            int64_t rows, int64_t cols, int64_t ignore) {
   using S = Scratch<T>;
   using C = typename S::C;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
@@ -142,7 +151,8 @@ void ce_bwd(T* grad, const T* logits, const I* target, const compute_t<T>* scale
       CArr<C> x(S::load(logits + r * cols, cols, s.a), cols);
       Arr<C> o(S::target(orow, s.b), cols);
       const C k = scale[r];
-      o = (x - logsumexp(x)).exp() * k;
+      const C l = lse ? lse[r] : logsumexp(x);
+      o = (x - l).exp() * k;
       o[t] -= k;
       S::store(orow, o.data(), cols);
     }
@@ -168,8 +178,11 @@ void sum_partials(T* out, const std::vector<C>& part, int64_t nb, int64_t cols) 
   });
 }
 
+// With `res` (add_rms_norm) the row normalised is h = x + res, stored to `h` first (rounded to
+// T, so y is exactly rms_norm of the stored h); without, it is x itself.
 template <class T>
-void rms_fwd(T* y, compute_t<T>* rstd, const T* x, const T* w, int64_t rows, int64_t cols, double eps) {
+void rms_fwd(T* y, compute_t<T>* rstd, const T* x, const T* res, T* h, const T* w, int64_t rows, int64_t cols,
+             double eps) {
   using S = Scratch<T>;
   using C = typename S::C;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
@@ -177,7 +190,27 @@ void rms_fwd(T* y, compute_t<T>* rstd, const T* x, const T* w, int64_t rows, int
     std::vector<C> wbuf(size_t(w ? cols : 0));
     for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = C(w[i]);
     for (int64_t r = b; r < e; ++r) {
-      CArr<C> xx(S::load(x + r * cols, cols, s.a), cols);
+      const C* xp;
+      if (res) {
+        const T* __restrict xr = x + r * cols;
+        const T* __restrict rr = res + r * cols;
+        T* __restrict hr = h + r * cols;
+        if constexpr (S::kWiden) {
+          C* __restrict hc = s.a.data();
+          for (int64_t i = 0; i < cols; ++i) {
+            const T hv = T(C(xr[i]) + C(rr[i]));
+            hr[i] = hv;
+            hc[i] = C(hv);
+          }
+          xp = hc;
+        } else {
+          for (int64_t i = 0; i < cols; ++i) hr[i] = xr[i] + rr[i];
+          xp = hr;
+        }
+      } else {
+        xp = S::load(x + r * cols, cols, s.a);
+      }
+      CArr<C> xx(xp, cols);
       T* orow = y + r * cols;
       Arr<C> o(S::target(orow, s.b), cols);
       const C rs = C(1) / std::sqrt(xx.square().sum() / C(cols) + C(eps));
@@ -189,15 +222,18 @@ void rms_fwd(T* y, compute_t<T>* rstd, const T* x, const T* w, int64_t rows, int
   });
 }
 
+// With `gh` (add_rms_norm) the gradient that reaches h directly is added to grad_x in the
+// same pass.
 template <class T>
-void rms_bwd(T* gx, T* gw, const T* g, const T* x, const T* w, const compute_t<T>* rstd, int64_t rows, int64_t cols) {
+void rms_bwd(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, const compute_t<T>* rstd, int64_t rows,
+             int64_t cols) {
   using S = Scratch<T>;
   using C = typename S::C;
   const int64_t nb = norm_blocks(rows);
   std::vector<C> part(size_t(gw ? nb * cols : 0), C(0));
   parallel_range(nb, 1, [&](int64_t b0, int64_t b1) {
     S s(cols);
-    std::vector<C> wbuf(size_t(w ? cols : 0)), wg(static_cast<size_t>(cols));
+    std::vector<C> wbuf(size_t(w ? cols : 0)), wg(static_cast<size_t>(cols)), hb(size_t(gh ? cols : 0));
     for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = C(w[i]);
     for (int64_t blk = b0; blk < b1; ++blk) {
       for (int64_t r = block_begin(rows, nb, blk); r < block_begin(rows, nb, blk + 1); ++r) {
@@ -210,7 +246,8 @@ void rms_bwd(T* gx, T* gw, const T* g, const T* x, const T* w, const compute_t<T
         const C dot = (wgr * xx).sum();
         T* orow = gx + r * cols;
         Arr<C> o(S::target(orow, s.c), cols);
-        o = rs * wgr - (rs * rs * rs * dot / C(cols)) * xx;
+        if (gh) o = rs * wgr - (rs * rs * rs * dot / C(cols)) * xx + CArr<C>(S::load(gh + r * cols, cols, hb), cols);
+        else o = rs * wgr - (rs * rs * rs * dot / C(cols)) * xx;
         S::store(orow, o.data(), cols);
         if (gw) Arr<C>(part.data() + blk * cols, cols) += gg * xx * rs;
       }
@@ -282,6 +319,130 @@ void ln_bwd(T* gx, T* gw, T* gb, const T* g, const T* x, const T* w, const compu
   if (gb) sum_partials(gb, pb, nb, cols);
 }
 
+// ---- swiglu ----
+
+// Elements per block: a block's operands, widened to C, stay in L1 between the array
+// statements, so each input is read from memory once and each output written once.
+constexpr int64_t kEltBlock = 1024;
+
+template <class T>
+const compute_t<T>* widen_block(const T* src, int64_t n, compute_t<T>* buf) {
+  if constexpr (std::is_same_v<T, compute_t<T>>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = compute_t<T>(src[i]);
+    return buf;
+  }
+}
+template <class T>
+compute_t<T>* out_block(T* dst, compute_t<T>* buf) {
+  if constexpr (std::is_same_v<T, compute_t<T>>) return dst;
+  else return buf;
+}
+template <class T>
+void store_block(T* dst, const compute_t<T>* src, int64_t n) {
+  if constexpr (!std::is_same_v<T, compute_t<T>>)
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+}
+
+// Runs f(offset, len) over blocks of kEltBlock elements, blocks split among threads.
+template <class F>
+void for_blocks(int64_t n, F&& f) {
+  const int64_t blocks = (n + kEltBlock - 1) / kEltBlock;
+  parallel_range(blocks, std::max<int64_t>(1, kGrain / kEltBlock), [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) f(k * kEltBlock, std::min(kEltBlock, n - k * kEltBlock));
+  });
+}
+
+template <class T>
+void swiglu_fwd(T* out, const T* gate, const T* up, int64_t n) {
+  using C = compute_t<T>;
+  for_blocks(n, [&](int64_t off, int64_t len) {
+    alignas(64) C gb[kEltBlock], ub[kEltBlock], ob[kEltBlock];
+    CArr<C> g(widen_block(gate + off, len, gb), len), u(widen_block(up + off, len, ub), len);
+    Arr<C> o(out_block(out + off, ob), len);
+    o = g / (C(1) + (-g).exp()) * u;
+    store_block(out + off, o.data(), len);
+  });
+}
+
+template <class T>
+void swiglu_bwd(T* ggate, T* gup, const T* gout, const T* gate, const T* up, int64_t n) {
+  using C = compute_t<T>;
+  for_blocks(n, [&](int64_t off, int64_t len) {
+    alignas(64) C gb[kEltBlock], ub[kEltBlock], hb[kEltBlock], sb[kEltBlock], dgb[kEltBlock], dub[kEltBlock];
+    CArr<C> g(widen_block(gate + off, len, gb), len), u(widen_block(up + off, len, ub), len);
+    CArr<C> go(widen_block(gout + off, len, hb), len);
+    Arr<C> sig(sb, len);
+    sig = C(1) / (C(1) + (-g).exp());
+    Arr<C> dg(out_block(ggate + off, dgb), len), du(out_block(gup + off, dub), len);
+    du = go * g * sig;
+    dg = go * u * sig * (C(1) + g * (C(1) - sig));
+    store_block(ggate + off, dg.data(), len);
+    store_block(gup + off, du.data(), len);
+  });
+}
+
+// ---- rotary embedding ----
+
+template <class T>
+void rope_fwd(T* out, const T* x, const compute_t<T>* cosp, const compute_t<T>* sinp, const RopeLayout& l,
+              bool inverse) {
+  using C = compute_t<T>;
+  int64_t rows = 1;
+  for (int k = 0; k < l.ndim; ++k) rows *= l.lead[k];
+  const int64_t d = l.d, half = d / 2;
+  parallel_range(rows, row_grain(d), [&](int64_t b, int64_t e) {
+    // Leading index of row b, then stepped like an odometer (no division per row).
+    int64_t idx[16] = {};
+    int64_t xo = 0, to = 0;
+    {
+      int64_t rem = b;
+      for (int k = l.ndim - 1; k >= 0; --k) {
+        idx[k] = rem % l.lead[k];
+        rem /= l.lead[k];
+        xo += idx[k] * l.x_strides[k];
+        to += idx[k] * l.table_strides[k];
+      }
+    }
+    alignas(64) C x1b[512], x2b[512];
+    const C sgn = inverse ? C(-1) : C(1);
+    for (int64_t r = b; r < e; ++r) {
+      const T* __restrict xr = x + xo;
+      T* __restrict o = out + r * d;
+      const C* __restrict c = cosp + to;
+      const C* __restrict sn = sinp + to;
+      for (int64_t i0 = 0; i0 < half; i0 += 512) {
+        const int64_t len = std::min<int64_t>(512, half - i0);
+        const C* x1 = widen_block(xr + i0, len, x1b);
+        const C* x2 = widen_block(xr + half + i0, len, x2b);
+        if constexpr (std::is_same_v<T, C>) {
+#pragma omp simd
+          for (int64_t i = 0; i < len; ++i) {
+            const C cc = c[i0 + i], ss = sgn * sn[i0 + i];
+            o[i0 + i] = x1[i] * cc - x2[i] * ss;
+            o[half + i0 + i] = x2[i] * cc + x1[i] * ss;
+          }
+        } else {
+          for (int64_t i = 0; i < len; ++i) {
+            const C cc = c[i0 + i], ss = sgn * sn[i0 + i];
+            o[i0 + i] = T(x1[i] * cc - x2[i] * ss);
+            o[half + i0 + i] = T(x2[i] * cc + x1[i] * ss);
+          }
+        }
+      }
+      for (int k = l.ndim - 1; k >= 0; --k) {
+        xo += l.x_strides[k];
+        to += l.table_strides[k];
+        if (++idx[k] < l.lead[k]) break;
+        xo -= idx[k] * l.x_strides[k];
+        to -= idx[k] * l.table_strides[k];
+        idx[k] = 0;
+      }
+    }
+  });
+}
+
 // ---- embedding ----
 
 template <class T, class I>
@@ -342,25 +503,26 @@ void softmax_backward(DType dt, void* grad_in, const void* grad_out, const void*
 }
 
 void cross_entropy_forward(DType dt, void* loss, const void* logits, DType target_dt, const void* target,
-                           int64_t rows, int64_t cols, int64_t ignore_index) {
+                           int64_t rows, int64_t cols, int64_t ignore_index, void* lse) {
   if (rows == 0) return;
   QUILT_DISPATCH_FLOATING(dt, [&] {
     with_index_type(target_dt, [&](auto idx) {
       using I = decltype(idx);
-      ce_fwd(static_cast<compute_t<scalar_t>*>(loss), static_cast<const scalar_t*>(logits),
-             static_cast<const I*>(target), rows, cols, ignore_index);
+      ce_fwd(static_cast<compute_t<scalar_t>*>(loss), static_cast<compute_t<scalar_t>*>(lse),
+             static_cast<const scalar_t*>(logits), static_cast<const I*>(target), rows, cols, ignore_index);
     });
   });
 }
 
 void cross_entropy_backward(DType dt, void* grad_logits, const void* logits, DType target_dt, const void* target,
-                            const void* scale, int64_t rows, int64_t cols, int64_t ignore_index) {
+                            const void* scale, int64_t rows, int64_t cols, int64_t ignore_index, const void* lse) {
   if (rows == 0 || cols == 0) return;
   QUILT_DISPATCH_FLOATING(dt, [&] {
     with_index_type(target_dt, [&](auto idx) {
       using I = decltype(idx);
       ce_bwd(static_cast<scalar_t*>(grad_logits), static_cast<const scalar_t*>(logits), static_cast<const I*>(target),
-             static_cast<const compute_t<scalar_t>*>(scale), rows, cols, ignore_index);
+             static_cast<const compute_t<scalar_t>*>(scale), static_cast<const compute_t<scalar_t>*>(lse), rows, cols,
+             ignore_index);
     });
   });
 }
@@ -370,8 +532,8 @@ void rms_norm_forward(DType dt, void* y, void* rstd, const void* x, const void* 
   if (rows == 0) return;
   QUILT_DISPATCH_FLOATING(dt, [&] {
     using T = scalar_t;
-    rms_fwd(static_cast<T*>(y), static_cast<compute_t<T>*>(rstd), static_cast<const T*>(x),
-            static_cast<const T*>(weight), rows, cols, eps);
+    rms_fwd(static_cast<T*>(y), static_cast<compute_t<T>*>(rstd), static_cast<const T*>(x), static_cast<const T*>(nullptr),
+            static_cast<T*>(nullptr), static_cast<const T*>(weight), rows, cols, eps);
   });
 }
 
@@ -380,8 +542,28 @@ void rms_norm_backward(DType dt, void* grad_x, void* grad_weight, const void* g,
   QUILT_DISPATCH_FLOATING(dt, [&] {
     using T = scalar_t;
     rms_bwd(static_cast<T*>(grad_x), static_cast<T*>(grad_weight), static_cast<const T*>(g),
-            static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<const compute_t<T>*>(rstd), rows,
-            cols);
+            static_cast<const T*>(nullptr), static_cast<const T*>(x), static_cast<const T*>(weight),
+            static_cast<const compute_t<T>*>(rstd), rows, cols);
+  });
+}
+
+void add_rms_norm_forward(DType dt, void* h, void* y, void* rstd, const void* x, const void* r, const void* weight,
+                          int64_t rows, int64_t cols, double eps) {
+  if (rows == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    rms_fwd(static_cast<T*>(y), static_cast<compute_t<T>*>(rstd), static_cast<const T*>(x), static_cast<const T*>(r),
+            static_cast<T*>(h), static_cast<const T*>(weight), rows, cols, eps);
+  });
+}
+
+void add_rms_norm_backward(DType dt, void* grad_h, void* grad_weight, const void* g, const void* g_h,
+                           const void* h, const void* weight, const void* rstd, int64_t rows, int64_t cols) {
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    rms_bwd(static_cast<T*>(grad_h), static_cast<T*>(grad_weight), static_cast<const T*>(g),
+            static_cast<const T*>(g_h), static_cast<const T*>(h), static_cast<const T*>(weight),
+            static_cast<const compute_t<T>*>(rstd), rows, cols);
   });
 }
 
@@ -402,6 +584,37 @@ void layer_norm_backward(DType dt, void* grad_x, void* grad_weight, void* grad_b
     ln_bwd(static_cast<T*>(grad_x), static_cast<T*>(grad_weight), static_cast<T*>(grad_bias),
            static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const T*>(weight),
            static_cast<const compute_t<T>*>(mean), static_cast<const compute_t<T>*>(rstd), rows, cols);
+  });
+}
+
+void swiglu_forward(DType dt, void* out, const void* gate, const void* up, int64_t n) {
+  if (n == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    swiglu_fwd(static_cast<T*>(out), static_cast<const T*>(gate), static_cast<const T*>(up), n);
+  });
+}
+
+void swiglu_backward(DType dt, void* grad_gate, void* grad_up, const void* g, const void* gate, const void* up,
+                     int64_t n) {
+  if (n == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    swiglu_bwd(static_cast<T*>(grad_gate), static_cast<T*>(grad_up), static_cast<const T*>(g),
+               static_cast<const T*>(gate), static_cast<const T*>(up), n);
+  });
+}
+
+void rope_forward(DType dt, void* out, const void* x, const void* cos, const void* sin, const RopeLayout& l,
+                  bool inverse) {
+  if (l.d == 0) return;
+  for (int k = 0; k < l.ndim; ++k)
+    if (l.lead[k] == 0) return;
+  QUILT_DISPATCH_FLOATING(dt, [&] {
+    using T = scalar_t;
+    using C = compute_t<T>;
+    rope_fwd(static_cast<T*>(out), static_cast<const T*>(x), static_cast<const C*>(cos), static_cast<const C*>(sin), l,
+             inverse);
   });
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/cpu/nn.h"
 #include "kernels/philox.h"
 #include "op_harness.h"
 
@@ -696,6 +697,174 @@ TEST_CASE("nn ops: backward primitives are themselves differentiable in the inco
                  return R{out};
                },
                .noncontig = false});
+}
+
+// ---- fused primitives: swiglu, rotary embedding, residual add + RMS norm, cross entropy's kept
+// logsumexp ----
+
+TEST_CASE("nn ops: fused swiglu matches silu(gate) * up forward and backward, in every dtype") {
+  // Same shapes take the fused primitive; sizes straddle the kernel's 1024-element blocks and
+  // its parallel grain.
+  for (const Shape& s : {Shape{3, 5}, Shape{1023}, Shape{2, 1025}, Shape{40, 1000}}) {
+    run_op_case({.name = "swiglu fused", .inputs = {{s}, {s}},
+                 .op = [](const V& x) { return V{swiglu(x[0], x[1])}; },
+                 .ref = [](const R& r) {
+                   return R{zip(r[0], r[1], [](double g, double u) { return g / (1 + std::exp(-g)) * u; })};
+                 },
+                 .gradcheck = numel_of(s) <= 2100});
+  }
+  // Against the composite in f32: the same values within rounding, gradients too.
+  Tensor g = randn({64, 130}, RngKey(3, "g")).set_requires_grad(), u = randn({64, 130}, RngKey(3, "u")).set_requires_grad();
+  Tensor seed = randn({64, 130}, RngKey(3, "s"));
+  Tensor y = swiglu(g, u);
+  Tensor want = silu(g) * u;
+  const std::vector<double> a = y.to_vector(), b = want.to_vector();
+  // (a few f32 ulps: the composite rounds silu(gate) before the product)
+  for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == doctest::Approx(b[i]).epsilon(1e-5).scale(1e-6));
+  auto gf = grad({y}, {g, u}, {seed});
+  auto gc = grad({want}, {g, u}, {seed});
+  for (int k = 0; k < 2; ++k) {
+    const std::vector<double> x1 = gf[size_t(k)].to_vector(), x2 = gc[size_t(k)].to_vector();
+    for (size_t i = 0; i < x1.size(); ++i) CHECK(x1[i] == doctest::Approx(x2[i]).epsilon(1e-4).scale(1e-5));
+  }
+  // Extreme gates stay finite: silu(-100) = -0, silu(100) = 100.
+  Tensor e = swiglu(from_vector({-100.0, 100.0, 0.0}, {3}), ones({3}));
+  CHECK(e.to_vector() == std::vector<double>{-0.0, 100.0, 0.0});
+}
+
+TEST_CASE("nn ops: fused rotary_embedding matches the reference for strided q, broadcast tables and every dtype") {
+  // Tables without gradients take the fused primitive. x shapes as the model holds q and k:
+  // (B, H, T, D) with (T, D/2) tables, (B, T, H, D) with (T, 1, D/2), per-batch (B, 1, T, D/2)
+  // tables, 2-d x, and an empty T.
+  const std::vector<std::pair<Shape, Shape>> cases = {{{2, 3, 5, 8}, {5, 4}},       {{2, 5, 3, 6}, {5, 1, 3}},
+                                                      {{2, 3, 4, 4}, {2, 1, 4, 2}}, {{7, 2}, {7, 1}},
+                                                      {{1, 2, 0, 4}, {0, 2}},       {{3, 4}, {2}}};
+  for (const auto& [xs, ts] : cases) {
+    run_op_case({.name = "rotary_embedding fused", .inputs = {{xs}, {ts, Gen::normal, false}, {ts, Gen::normal, false}},
+                 .op = [](const V& x) { return V{rotary_embedding(x[0], x[1], x[2])}; },
+                 .ref = [](const R& r) { return R{rotary_ref(r[0], r[1], r[2])}; }});
+  }
+  // q as the model makes it: a (B, T, H, D) projection viewed as (B, H, T, D); fused == composite.
+  Tensor q = randn({2, 6, 4, 8}, RngKey(5, "q")).transpose(1, 2);
+  Tensor c = randn({6, 4}, RngKey(5, "c")), sn = randn({6, 4}, RngKey(5, "s"));
+  Tensor cg = c.detach().set_requires_grad(), sg = sn.detach().set_requires_grad();  // forces the composite
+  const Tensor fused = rotary_embedding(q, c, sn), composite = rotary_embedding(q, cg, sg);
+  CHECK(fused.is_contiguous());
+  const std::vector<double> a = fused.to_vector(), b = composite.to_vector();
+  REQUIRE(a.size() == b.size());
+  // (a few f32 ulps: the composite rounds each product before the sum)
+  for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == doctest::Approx(b[i]).epsilon(1e-5).scale(1e-5));
+}
+
+TEST_CASE("nn ops: fused rotary_embedding's backward (the inverse rotation) is itself differentiable") {
+  auto seeded_grad = [](const Tensor& x, const Tensor& g, const Tensor& c, const Tensor& s) {
+    EnableGradGuard eg;
+    Tensor leaf = x.detach();
+    leaf.set_requires_grad(true);
+    return grad({rotary_embedding(leaf, c, s)}, {leaf}, {g}, false, true)[0];
+  };
+  // d/dg of R^T g is R^T: the reference rotates g by -sin.
+  run_op_case({.name = "rotary_embedding double backward",
+               .inputs = {{{2, 3, 6}, Gen::normal, false}, {{3, 3}, Gen::normal, false}, {{3, 3}, Gen::normal, false},
+                          {{2, 3, 6}}},
+               .op = [=](const V& x) { return V{seeded_grad(x[0], x[3], x[1], x[2])}; },
+               .ref = [](const R& r) { return R{rotary_ref(r[3], r[1], map(r[2], [](double v) { return -v; }))}; },
+               .noncontig = false});
+}
+
+Ref add_rms_h_ref(const Ref& x, const Ref& r) { return zip(x, r, [](double a, double b) { return a + b; }); }
+
+TEST_CASE("nn ops: add_rms_norm returns x + r and rms_norm of it, with gradients through both") {
+  const std::vector<Shape> shapes = {{3, 7}, {2, 3, 33}, {1}, {0, 8}, {70, 600}};
+  for (const Shape& s : shapes) {
+    const double eps = 1e-6;
+    const bool small = numel_of(s) < 1000;
+    run_op_case({.name = "add_rms_norm", .inputs = {{s}, {s}, {{s.back()}}},
+                 .op = [eps](const V& x) {
+                   auto [h, y] = add_rms_norm(x[0], x[1], x[2], eps);
+                   return V{h, y};
+                 },
+                 .ref = [eps](const R& r) {
+                   const Ref h = add_rms_h_ref(r[0], r[1]);
+                   return R{h, rms_norm_ref(h, &r[2], eps)};
+                 },
+                 .gradcheck = small});
+    run_op_case({.name = "add_rms_norm without weight, y only", .inputs = {{s}, {s}},
+                 .op = [](const V& x) { return V{add_rms_norm(x[0], x[1], Tensor(), 1e-3).second}; },
+                 .ref = [](const R& r) { return R{rms_norm_ref(add_rms_h_ref(r[0], r[1]), nullptr, 1e-3)}; },
+                 .gradcheck = small});
+    run_op_case({.name = "add_rms_norm, h only", .inputs = {{s}, {s}, {{s.back()}}},
+                 .op = [](const V& x) { return V{add_rms_norm(x[0], x[1], x[2], 1e-5).first}; },
+                 .ref = [](const R& r) { return R{add_rms_h_ref(r[0], r[1])}; },
+                 .gradcheck = small});
+  }
+}
+
+TEST_CASE("nn ops: add_rms_norm equals x + r then rms_norm, values and gradients, in f32 and bf16") {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    const Shape s{96, 257};
+    Tensor x = randn(s, RngKey(7, "x"), {.dtype = dt}).set_requires_grad();
+    Tensor r = randn(s, RngKey(7, "r"), {.dtype = dt}).set_requires_grad();
+    Tensor w = randn({257}, RngKey(7, "w"), {.dtype = dt}).set_requires_grad();
+    Tensor gh = randn(s, RngKey(7, "gh"), {.dtype = dt}), gy = randn(s, RngKey(7, "gy"), {.dtype = dt});
+    auto [h, y] = add_rms_norm(x, r, w, 1e-5);
+    const Tensor h2 = x + r, y2 = rms_norm(h2, w, 1e-5);
+    CHECK(h.to_vector() == h2.to_vector());  // the add rounds once, as add does
+    CHECK(y.to_vector() == y2.to_vector());  // and the norm reads the stored h
+    auto g1 = grad({h, y}, {x, r, w}, {gh, gy});
+    auto g2 = grad({h2, y2}, {x, r, w}, {gh, gy});
+    // Unfused, grad_x rounds the norm's gradient and the residual's before their sum; terms are
+    // O(1), so the two differ by a few roundings at that scale (the fused one is the closer).
+    const double tol = dt == DType::bf16 ? 2e-2 : 1e-5;
+    for (size_t k = 0; k < 3; ++k) {
+      const std::vector<double> a = g1[k].to_vector(), b = g2[k].to_vector();
+      for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == doctest::Approx(b[i]).epsilon(tol).scale(1.0));
+    }
+  }
+}
+
+TEST_CASE("nn ops: add_rms_norm errors name the shapes") {
+  CHECK_THROWS_WITH_AS(add_rms_norm(zeros({2, 4}), zeros({2, 3}), Tensor()),
+                       doctest::Contains("[add_rms_norm] residual (2, 3) f32 does not match x (2, 4) f32"), Error);
+  CHECK_THROWS_WITH_AS(add_rms_norm(zeros({2, 4}), zeros({2, 4}, {.dtype = DType::bf16}), Tensor()),
+                       doctest::Contains("[add_rms_norm] residual (2, 4) bf16 does not match x (2, 4) f32"), Error);
+  CHECK_THROWS_WITH_AS(add_rms_norm(zeros({2, 4}), zeros({2, 4}), zeros({3})),
+                       doctest::Contains("[add_rms_norm] weight of shape (3,) does not match the last dim of x (2, 4)"),
+                       Error);
+  CHECK_THROWS_WITH_AS(add_rms_norm(zeros({2, 4}), Tensor(), Tensor()),
+                       doctest::Contains("[add_rms_norm] got an undefined residual"), Error);
+}
+
+TEST_CASE("nn ops: cross_entropy's backward from the kept logsumexp equals the recomputing one bit for bit") {
+  // The kernel with the forward's lse (what cross_entropy's backward uses on the CPU) against
+  // the same kernel recomputing each row's logsumexp, with an ignored row, in f32 and bf16.
+  for (DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    const int64_t n = 37, c = 1000;
+    Tensor x = randn({n, c}, RngKey(2, "x"), {.dtype = dt}) * 4.0;
+    Tensor t = randint(0, c, {n}, RngKey(2, "t"));
+    t = where(bool_tensor({n}, [](int64_t i) { return i == 5; }), scalar_like(-100, t), t);
+    Tensor loss = Tensor::empty({n}), lse = Tensor::empty({n}), scale = rand({n}, RngKey(2, "k"));
+    kernels::cpu::cross_entropy_forward(dt, loss.data_ptr(), x.data_ptr(), DType::i64, t.data_ptr(), n, c, -100,
+                                        lse.data_ptr());
+    Tensor g1 = Tensor::empty({n, c}, {.dtype = dt}), g2 = Tensor::empty({n, c}, {.dtype = dt});
+    kernels::cpu::cross_entropy_backward(dt, g1.data_ptr(), x.data_ptr(), DType::i64, t.data_ptr(), scale.data_ptr(),
+                                         n, c, -100, lse.data_ptr());
+    kernels::cpu::cross_entropy_backward(dt, g2.data_ptr(), x.data_ptr(), DType::i64, t.data_ptr(), scale.data_ptr(),
+                                         n, c, -100, nullptr);
+    CHECK(g1.to_vector() == g2.to_vector());
+    CHECK(lse.to_vector()[5] == 0.0);
+    // And the op's gradient (which takes the kept lse) is scale * (softmax - onehot).
+    Tensor xl = x.detach().set_requires_grad();
+    Tensor l = cross_entropy(xl, t, -100, Reduction::sum);
+    Tensor gx = grad({l}, {xl})[0];
+    Tensor g3 = Tensor::empty({n, c}, {.dtype = dt});
+    Tensor ones_n = ones({n});
+    kernels::cpu::cross_entropy_backward(dt, g3.data_ptr(), x.data_ptr(), DType::i64, t.data_ptr(),
+                                         ones_n.data_ptr(), n, c, -100, nullptr);
+    CHECK(gx.to_vector() == g3.to_vector());
+  }
 }
 
 TEST_CASE("nn ops: softmax errors name the op and the dim") {
