@@ -88,7 +88,7 @@ std::string OpDesc::str() const {
   os << short_str() << " on " << comm << " (";
   const char* sep = "";
   if (has_tensor) {
-    os << "shape " << detail::concat(shape) << ", " << dtype_name(dtype);
+    os << "shape " << detail::concat(shape.vec()) << ", " << dtype_name(dtype);
     sep = ", ";
   }
   if (rop) { os << sep << reduce_op_name(*rop); sep = ", "; }
@@ -215,6 +215,7 @@ void OpExecutor::submit(const std::shared_ptr<WorkState>& w, Body body, bool asy
     return;
   }
   queue_.emplace_back(w, std::move(body));
+  outstanding_.fetch_add(1, std::memory_order_relaxed);
   if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
   cv_.notify_all();
 }
@@ -232,6 +233,7 @@ void OpExecutor::loop() {
     item = {};  // release buffers before reporting idle
     lk.lock();
     busy_ = false;
+    outstanding_.fetch_sub(1, std::memory_order_release);
     cv_.notify_all();
   }
 }
@@ -336,13 +338,15 @@ detail::Signature make_signature(const OpCall& c, const Tensor& subject, bool tr
   s.root = (c.desc.kind == OpKind::broadcast || c.desc.kind == OpKind::reduce) ? c.desc.root : -1;
   s.ndim = -1;
   if (subject.defined()) {
-    Shape dims = trailing_only ? trailing(subject) : subject.shape();
+    const Shape& shape = subject.shape();
+    const size_t skip = trailing_only && !shape.empty() ? 1 : 0;
+    const int64_t* dims = shape.data() + skip;
+    const size_t nd = shape.size() - skip;
     s.dtype = int32_t(subject.dtype());
     s.trailing_only = trailing_only;
-    s.ndim = int32_t(dims.size());
-    for (size_t i = 0; i < dims.size() && i < 8; ++i) s.dims[i] = dims[i];
-    std::string bytes(reinterpret_cast<const char*>(dims.data()), dims.size() * sizeof(int64_t));
-    s.shape_hash = stable_hash(bytes);
+    s.ndim = int32_t(nd);
+    for (size_t i = 0; i < nd && i < 8; ++i) s.dims[i] = dims[i];
+    s.shape_hash = stable_hash(std::string_view(reinterpret_cast<const char*>(dims), nd * sizeof(int64_t)));
   }
   return s;
 }
@@ -393,7 +397,15 @@ Tensor stage_to_host(const Tensor& x) {
 }
 }  // namespace
 
+// The backends read and write the data only (raw pointers, never autograd ops), so a contiguous
+// tensor already in the backend's memory goes as it is: no detached copy of its handle per call.
+bool Communicator::usable_as_is(const Tensor& t) const {
+  if (!t.is_contiguous()) return false;
+  return host_memory_only() ? !t.device().is_cuda() : t.device() == device_;
+}
+
 Tensor Communicator::prepare_input(const Tensor& t, const char* op) const {
+  if (usable_as_is(t)) return t;
   NoGradGuard ng;
   Tensor x = t.detach();
   if (!host_memory_only()) {
@@ -406,6 +418,7 @@ Tensor Communicator::prepare_input(const Tensor& t, const char* op) const {
 }
 
 Tensor Communicator::prepare_output(const Tensor& t, bool read_too, std::vector<std::function<void()>>& copy_back) const {
+  if (usable_as_is(t)) return t;
   NoGradGuard ng;
   Tensor x = t.detach();
   if (!host_memory_only())
@@ -445,12 +458,16 @@ Work Communicator::launch(OpCall&& call, std::vector<std::function<void()>>&& co
     r.comm = call.desc.comm;
     r.comm_size = size_;
     r.dtype = call.desc.dtype;
-    r.shape = call.desc.shape;
-    if (call.desc.has_tensor) r.bytes = numel_of(call.desc.shape) * int64_t(dtype_size(call.desc.dtype));
+    r.shape = call.desc.shape.vec();
+    if (call.desc.has_tensor) r.bytes = call.desc.shape.numel() * int64_t(dtype_size(call.desc.dtype));
     r.async = async_op;
     call.desc.delay = (*t_observer)(r);
   }
   std::shared_ptr<detail::WorkState> state = start(std::move(call));
+  if (!state) {  // the backend completed it inside start (a synchronous op run inline)
+    for (auto& f : copy_back) f();
+    return Work();
+  }
   state->copy_back = std::move(copy_back);
   Work w(state);
   if (!async_op) w.wait();
@@ -464,7 +481,7 @@ Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
   c.desc.rop = op;
   std::vector<std::function<void()>> back;
   c.in = c.out = prepare_output(t, true, back);
-  c.sig = make_signature(c, t, false);
+  if (signs()) c.sig = make_signature(c, t, false);
   return launch(std::move(c), std::move(back), async_op);
 }
 
@@ -475,7 +492,7 @@ Work Communicator::broadcast(const Tensor& t, int root, bool async_op) {
   c.desc.root = root;
   std::vector<std::function<void()>> back;
   c.in = c.out = prepare_output(t, rank() == root, back);
-  c.sig = make_signature(c, t, false);
+  if (signs()) c.sig = make_signature(c, t, false);
   return launch(std::move(c), std::move(back), async_op);
 }
 
@@ -489,7 +506,7 @@ Work Communicator::reduce(const Tensor& t, int root, ReduceOp op, bool async_op)
   std::vector<std::function<void()>> back;
   if (rank() == root) c.in = c.out = prepare_output(t, true, back);
   else c.in = c.out = prepare_input(t, "reduce");  // read only: nothing to copy back
-  c.sig = make_signature(c, t, false);
+  if (signs()) c.sig = make_signature(c, t, false);
   return launch(std::move(c), std::move(back), async_op);
 }
 
@@ -504,7 +521,7 @@ Work Communicator::all_gather(const Tensor& out, const Tensor& in, bool async_op
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_gather");
   c.in_counts.assign(size_t(size()), in.numel());
-  c.sig = make_signature(c, in, false);
+  if (signs()) c.sig = make_signature(c, in, false);
   return launch(std::move(c), std::move(back), async_op);
 }
 
@@ -527,8 +544,8 @@ Work Communicator::all_gather_v(const Tensor& out, const Tensor& in, const std::
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_gather_v");
   for (int64_t r : rows) c.in_counts.push_back(r * row);
-  c.sig = make_signature(c, in, true);
-  c.sig.extra_hash = hash_counts(rows);
+  if (signs()) c.sig = make_signature(c, in, true);
+  if (signs()) c.sig.extra_hash = hash_counts(rows);
   return launch(std::move(c), std::move(back), async_op);
 }
 
@@ -545,7 +562,7 @@ Work Communicator::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp 
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "reduce_scatter");
   c.in_counts.assign(size_t(size()), out.numel());
-  c.sig = make_signature(c, out, false);
+  if (signs()) c.sig = make_signature(c, out, false);
   return launch(std::move(c), std::move(back), async_op);
 }
 
@@ -572,8 +589,8 @@ Work Communicator::reduce_scatter_v(const Tensor& out, const Tensor& in, const s
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "reduce_scatter_v");
   for (int64_t r : rows) c.in_counts.push_back(r * row);
-  c.sig = make_signature(c, out, true);
-  c.sig.extra_hash = hash_counts(rows);
+  if (signs()) c.sig = make_signature(c, out, true);
+  if (signs()) c.sig.extra_hash = hash_counts(rows);
   return launch(std::move(c), std::move(back), async_op);
 }
 
@@ -607,13 +624,13 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_to_all_single");
   for (int64_t r : is) c.in_counts.push_back(r * row);
   for (int64_t r : os) c.out_counts.push_back(r * row);
-  c.sig = make_signature(c, in, true);
+  if (signs()) c.sig = make_signature(c, in, true);
   return launch(std::move(c), std::move(back), async_op);
 }
 
 Work Communicator::barrier(bool async_op) {
   OpCall c = begin(int(OpKind::barrier), Tensor(), true);
-  c.sig = make_signature(c, Tensor(), false);
+  if (signs()) c.sig = make_signature(c, Tensor(), false);
   return launch(std::move(c), {}, async_op);
 }
 

@@ -158,12 +158,16 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Communicator(std::string backend, std::string name, int rank, int size, Device device, const CommOptions& opts);
 
   /// Starts a validated operation whose tensors are contiguous and in the backend's memory
-  /// (see host_memory_only). Returns the state that completes when the op does.
-  virtual std::shared_ptr<detail::WorkState> start(detail::OpCall call) = 0;
+  /// (see host_memory_only). Returns the state that completes when the op does, or nullptr
+  /// when the op already completed inside the call (a synchronous op the backend ran inline).
+  virtual std::shared_ptr<detail::WorkState> start(detail::OpCall&& call) = 0;
   /// Creates the sub-communicator for `color` (>= 0) or returns nullptr; called with seq assigned.
   virtual std::shared_ptr<Communicator> do_split(int color, int key, uint64_t seq) = 0;
   /// True when the backend reads host memory only: device tensors are staged through the host.
   virtual bool host_memory_only() const { return true; }
+  /// True when the backend compares every collective's signature across ranks, debug mode or
+  /// not (then OpCall::sig is always filled; otherwise only in debug mode).
+  virtual bool checks_every_call() const { return false; }
 
   /// The name a sub-communicator of this one gets.
   std::string child_name(uint64_t seq, int color) const;
@@ -171,6 +175,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
  private:
   Work launch(detail::OpCall&& call, std::vector<std::function<void()>>&& copy_back, bool async_op);
   detail::OpCall begin(int kind, const Tensor& subject, bool collective);
+  bool usable_as_is(const Tensor& t) const;
+  bool signs() const { return debug_ || checks_every_call(); }
   Tensor prepare_input(const Tensor& t, const char* op) const;
   Tensor prepare_output(const Tensor& t, bool read_too, std::vector<std::function<void()>>& copy_back) const;
   void check_root(int root, const char* op, const char* what) const;

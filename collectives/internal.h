@@ -32,6 +32,38 @@ enum class OpKind : uint8_t {
 const char* op_kind_name(OpKind k);
 inline bool is_collective(OpKind k) { return k <= OpKind::split; }
 
+/// A shape held inline up to 8 dims, so describing an op allocates nothing; longer shapes
+/// spill to the heap.
+class OpShape {
+ public:
+  OpShape() = default;
+  OpShape(const Shape& s) { *this = s; }  // NOLINT: implicit, like the Shape it stands for
+  OpShape& operator=(const Shape& s) {
+    n_ = s.size();
+    if (n_ <= kInline) {
+      for (size_t i = 0; i < n_; ++i) dims_[i] = s[i];
+      spill_.clear();
+    } else {
+      spill_ = s;
+    }
+    return *this;
+  }
+  size_t size() const { return n_; }
+  int64_t operator[](size_t i) const { return n_ <= kInline ? dims_[i] : spill_[i]; }
+  Shape vec() const { return n_ <= kInline ? Shape(dims_, dims_ + n_) : spill_; }
+  int64_t numel() const {
+    int64_t p = 1;
+    for (size_t i = 0; i < n_; ++i) p *= (*this)[i];
+    return p;
+  }
+
+ private:
+  static constexpr size_t kInline = 8;
+  int64_t dims_[kInline] = {};
+  size_t n_ = 0;
+  Shape spill_;
+};
+
 /// What an operation is, for errors and the watchdog.
 struct OpDesc {
   OpKind kind = OpKind::barrier;
@@ -40,7 +72,7 @@ struct OpDesc {
   int rank = 0;         // the issuing rank
   bool has_tensor = false;
   DType dtype = DType::f32;
-  Shape shape;          // the op's main tensor: t, in (gathers, all_to_all) or out (scatters)
+  OpShape shape;        // the op's main tensor: t, in (gathers, all_to_all) or out (scatters)
   std::optional<ReduceOp> rop;
   int root = -1;        // root of broadcast/reduce, peer of send/recv, number of ops of batch_p2p
   int tag = 0;
@@ -86,7 +118,7 @@ struct OpCall {
   std::vector<P2PItem> p2p;          // send, recv, batch_p2p
   int color = -1, key = 0;           // split
   bool async = false;
-  Signature sig;
+  Signature sig;                     // filled when signatures are checked (debug mode, threads backend)
 };
 
 /// The call record of split(color, key) #seq on communicator `comm` as seen by `rank`.
@@ -147,6 +179,10 @@ class OpExecutor {
 
   /// Runs `body` for `w` after all earlier submissions; a throw marks `w` failed.
   void submit(const std::shared_ptr<WorkState>& w, Body body, bool async);
+  /// True when nothing is queued or running. Exact when called from the one thread that
+  /// submits (the communicator's user): then nothing can be added meanwhile, and the caller may
+  /// run a synchronous op itself without going through submit.
+  bool idle() const { return outstanding_.load(std::memory_order_acquire) == 0; }
   /// Blocks until every submitted body has run.
   void drain();
   /// Drains, then stops the worker thread.
@@ -158,6 +194,7 @@ class OpExecutor {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<std::shared_ptr<WorkState>, Body>> queue_;
+  std::atomic<int64_t> outstanding_{0};  // queued or running on the worker
   bool busy_ = false, stopping_ = false;
   std::thread worker_;
 };
@@ -170,6 +207,44 @@ struct CommTrace {
   std::vector<int> world_ranks;  // world rank of each member
   std::atomic<uint64_t> issued{0}, started{0}, completed{0};
   std::atomic<int> started_kind{-1};  // OpKind of `started`
+};
+
+/// The collective a communicator runs inline on its caller's thread right now: synchronous
+/// ops that complete inside the call get no WorkState and no watchdog entry; instead they
+/// publish themselves here (plain stores, no lock, no allocation) and the watchdog scans every
+/// registered slot each tick. An op that stays in its slot past the timeout fires the watchdog
+/// exactly as a watched work would, naming the op, its sequence number, shape, dtype and the
+/// missing ranks. Writer: the communicator's user thread; reader: the watchdog thread (a
+/// seqlock on `seq`: fields are written before seq is published and re-checked after reading).
+struct InlineSlot {
+  std::string comm;  // communicator name (constant)
+  int rank = 0;      // the issuing rank (constant)
+  std::shared_ptr<CommTrace> trace;
+  std::atomic<uint64_t> seq{0};  // 0: nothing running inline, else the op's sequence number
+  std::atomic<int64_t> timeout_ms{0};
+  std::atomic<int32_t> kind{0}, dtype{0}, rop{-1}, root{-1}, ndim{-1};
+  std::atomic<int64_t> dims[8] = {};
+
+  /// Publishes `d` as running (d.shape beyond 8 dims is summarised by its first 8).
+  void enter(const OpDesc& d, std::chrono::milliseconds timeout) {
+    timeout_ms.store(timeout.count(), std::memory_order_relaxed);
+    kind.store(int32_t(d.kind), std::memory_order_relaxed);
+    dtype.store(d.has_tensor ? int32_t(d.dtype) : -1, std::memory_order_relaxed);
+    rop.store(d.rop ? int32_t(*d.rop) : -1, std::memory_order_relaxed);
+    root.store(d.root, std::memory_order_relaxed);
+    const size_t nd = d.has_tensor ? d.shape.size() : 0;
+    ndim.store(d.has_tensor ? int32_t(nd) : -1, std::memory_order_relaxed);
+    for (size_t i = 0; i < nd && i < 8; ++i) dims[i].store(d.shape[i], std::memory_order_relaxed);
+    seq.store(d.seq, std::memory_order_release);
+  }
+  void leave() { seq.store(0, std::memory_order_release); }
+  /// The running op's description and timeout, or nullopt when none runs (or it changed while
+  /// being read). Watchdog thread only.
+  std::optional<std::pair<OpDesc, std::chrono::milliseconds>> snapshot() const;
+
+  // Watchdog thread only: the sequence number it last saw running here, and since when.
+  uint64_t seen_seq = 0;
+  Clock::time_point seen_at{};
 };
 
 namespace watchdog {
@@ -187,6 +262,8 @@ void start(Hooks hooks);
 void stop();
 /// Watches `w`: when it is not complete by its deadline, the job is aborted with a message.
 void watch(const std::shared_ptr<WorkState>& w, const std::shared_ptr<CommTrace>& trace);
+/// Scans `slot` every tick while it lives (weakly held; a communicator registers its slot once).
+void watch_inline(const std::shared_ptr<InlineSlot>& slot);
 /// Runs before abort_job when the watchdog fires (NCCL: ncclCommAbort); returns an id.
 uint64_t add_abort_hook(std::function<void()> f);
 void remove_abort_hook(uint64_t id);

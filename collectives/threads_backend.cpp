@@ -203,7 +203,8 @@ class ThreadsCommunicator final : public Communicator {
   const std::shared_ptr<Group>& group() const { return g_; }
 
  protected:
-  std::shared_ptr<WorkState> start(OpCall c) override {
+  bool checks_every_call() const override { return true; }
+  std::shared_ptr<WorkState> start(OpCall&& c) override {
     if (!is_collective(c.desc.kind)) return start_p2p(c);
     auto w = std::make_shared<WorkState>(c.desc, timeout());
     exec_.submit(w, [this, c = std::move(c), wp = w.get()]() mutable { run_collective(c, *wp); },

@@ -26,6 +26,7 @@ struct State {
   bool stopping = false;
   Hooks hooks;
   std::vector<Entry> entries;
+  std::vector<std::weak_ptr<InlineSlot>> slots;
   std::map<uint64_t, std::function<void()>> abort_hooks;
   uint64_t next_hook = 1;
   std::map<uint64_t, std::weak_ptr<CommTrace>> traces;
@@ -67,6 +68,24 @@ State& state() {
   std::_Exit(3);
 }
 
+// An inline op that has run in its slot for at least its timeout (counted from the first tick
+// that saw it, so never early) fires like a watched work.
+void scan_slots(const std::vector<std::shared_ptr<InlineSlot>>& slots, Clock::time_point now, const Hooks& hooks) {
+  for (const auto& sl : slots) {
+    const uint64_t seq = sl->seq.load(std::memory_order_acquire);
+    if (seq != sl->seen_seq) {
+      sl->seen_seq = seq;
+      sl->seen_at = now;
+      continue;
+    }
+    if (seq == 0 || now - sl->seen_at < std::chrono::milliseconds(sl->timeout_ms.load(std::memory_order_relaxed)))
+      continue;
+    auto snap = sl->snapshot();
+    if (!snap || snap->first.seq != seq) continue;  // it completed meanwhile
+    fire(Entry{std::make_shared<WorkState>(std::move(snap->first), snap->second), sl->trace}, hooks);
+  }
+}
+
 void loop() {
   State& s = state();
   std::unique_lock lk(s.mu);
@@ -75,23 +94,41 @@ void loop() {
     if (s.stopping) break;
     Hooks hooks = s.hooks;
     std::vector<Entry> entries = s.entries;
+    std::vector<std::shared_ptr<InlineSlot>> slots;
+    std::erase_if(s.slots, [](const auto& w) { return w.expired(); });
+    for (const auto& w : s.slots)
+      if (auto sl = w.lock()) slots.push_back(std::move(sl));
     lk.unlock();
     if (hooks.tick) hooks.tick();
     const auto now = Clock::now();
-    std::vector<const WorkState*> finished;
-    for (const Entry& e : entries) {
+    std::vector<char> finished(entries.size(), 0);
+    bool any = false;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const Entry& e = entries[i];
       if (e.work->poll()) {
-        finished.push_back(e.work.get());
+        finished[i] = 1;
+        any = true;
       } else if (now >= e.work->deadline) {
         fire(e, hooks);
       }
     }
-    entries.clear();
+    scan_slots(slots, now, hooks);
+    slots.clear();
     lk.lock();
-    if (!finished.empty())
-      std::erase_if(s.entries, [&](const Entry& e) {
-        return std::find(finished.begin(), finished.end(), e.work.get()) != finished.end();
-      });
+    // Only this thread removes entries and watch() only appends, so the snapshot is still the
+    // prefix of s.entries: drop its finished ones in one pass.
+    if (any) {
+      size_t w = 0;
+      for (size_t i = 0; i < s.entries.size(); ++i)
+        if (i >= finished.size() || !finished[i]) {
+          if (w != i) s.entries[w] = std::move(s.entries[i]);
+          ++w;
+        }
+      s.entries.resize(w);
+    }
+    lk.unlock();
+    entries.clear();  // release the works' buffers outside the lock
+    lk.lock();
   }
 }
 
@@ -129,6 +166,13 @@ void watch(const std::shared_ptr<WorkState>& w, const std::shared_ptr<CommTrace>
     s.thread = std::thread(loop);
   }
   s.entries.push_back({w, trace});
+}
+
+void watch_inline(const std::shared_ptr<InlineSlot>& slot) {
+  State& s = state();
+  std::lock_guard lk(s.mu);
+  std::erase_if(s.slots, [](const auto& w) { return w.expired(); });
+  s.slots.push_back(slot);
 }
 
 uint64_t add_abort_hook(std::function<void()> f) {
@@ -174,3 +218,31 @@ std::string describe_progress(int rank, uint64_t started, int started_kind, uint
 }
 
 }  // namespace quilt::detail::watchdog
+
+namespace quilt::detail {
+
+std::optional<std::pair<OpDesc, std::chrono::milliseconds>> InlineSlot::snapshot() const {
+  const uint64_t s = seq.load(std::memory_order_acquire);
+  if (s == 0) return std::nullopt;
+  OpDesc d;
+  d.seq = s;
+  d.comm = comm;
+  d.rank = rank;
+  d.kind = OpKind(kind.load(std::memory_order_relaxed));
+  const int32_t dt = dtype.load(std::memory_order_relaxed);
+  d.has_tensor = dt >= 0;
+  if (d.has_tensor) d.dtype = DType(dt);
+  const int32_t r = rop.load(std::memory_order_relaxed);
+  if (r >= 0) d.rop = ReduceOp(r);
+  d.root = root.load(std::memory_order_relaxed);
+  const int32_t nd = ndim.load(std::memory_order_relaxed);
+  Shape shape;
+  for (int32_t i = 0; i < nd && i < 8; ++i) shape.push_back(dims[i].load(std::memory_order_relaxed));
+  d.shape = shape;
+  const auto t = std::chrono::milliseconds(timeout_ms.load(std::memory_order_relaxed));
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (seq.load(std::memory_order_relaxed) != s) return std::nullopt;  // a newer op overwrote the fields
+  return std::make_pair(std::move(d), t);
+}
+
+}  // namespace quilt::detail

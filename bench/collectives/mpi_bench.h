@@ -49,21 +49,25 @@ std::pair<double, double> time_against_raw(bool& raw_first, bool with_raw, Ours&
 
 /// One timed iteration of K variants (ours first, then raw MPI ones), each run `reps` times in
 /// a row; the starting variant rotates every iteration so none always inherits another's cache
-/// state or the skew the previous one left between ranks. Returns the slowest rank's seconds per
+/// state or the skew the previous one left between ranks (each enabled variant goes first equally
+/// often). Returns the slowest rank's seconds per
 /// call of each variant, identical on every rank. Variants with `enabled[k]` false are skipped
 /// (time 0).
 template <size_t K, class Fns>
 std::array<double, K> time_variants(size_t& first, int reps, const std::array<bool, K>& enabled, Fns&& run) {
   auto now = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+  std::array<size_t, K> order{};
+  size_t m = 0;
+  for (size_t k = 0; k < K; ++k)
+    if (enabled[k]) order[m++] = k;
   std::array<double, K> t{};
-  for (size_t j = 0; j < K; ++j) {
-    const size_t k = (first + j) % K;
-    if (!enabled[k]) continue;
+  for (size_t j = 0; j < m; ++j) {
+    const size_t k = order[(first + j) % m];
     const double t0 = now();
     for (int r = 0; r < reps; ++r) run(k);
     t[k] = (now() - t0) / reps;
   }
-  first = (first + 1) % K;
+  first = m ? (first + 1) % m : 0;
   MPI_Allreduce(MPI_IN_PLACE, t.data(), int(K), MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return t;
 }

@@ -232,6 +232,11 @@ class MpiCommunicator final : public Communicator {
     trace_->uid = stable_hash(name);
     trace_->world_ranks = world_ranks_of(comm);
     watchdog::register_trace(trace_);
+    slot_ = std::make_shared<InlineSlot>();
+    slot_->comm = name;
+    slot_->rank = rank;
+    slot_->trace = trace_;
+    watchdog::watch_inline(slot_);
   }
 
   ~MpiCommunicator() override { shutdown(); }
@@ -258,16 +263,20 @@ class MpiCommunicator final : public Communicator {
   }
 
  protected:
-  std::shared_ptr<WorkState> start(OpCall c) override {
+  std::shared_ptr<WorkState> start(OpCall&& c) override {
     QUILT_CHECK(comm_ != MPI_COMM_NULL, "[", op_kind_name(c.desc.kind), "] communicator ", name(),
                 " was used after finalize()");
     if (!is_collective(c.desc.kind)) return start_p2p(c);
-    trace_->issued.store(c.desc.seq);
-    auto w = std::make_shared<WorkState>(c.desc, timeout());
-    watchdog::watch(w, trace_);
+    trace_->issued.store(c.desc.seq, std::memory_order_release);
     const bool dbg = debug_checks();
     // Without MPI_THREAD_MULTIPLE only the caller's thread may call MPI: run everything inline.
     const bool async = c.async && g().multiple;
+    if (!async && c.desc.shape.size() <= 8 && exec_.idle()) {
+      run_inline(c, dbg);
+      return nullptr;  // complete
+    }
+    auto w = std::make_shared<WorkState>(c.desc, timeout());
+    watchdog::watch(w, trace_);
     exec_.submit(w, [this, c = std::move(c), dbg]() mutable { run(c, dbg); }, async);
     return w;
   }
@@ -297,11 +306,32 @@ class MpiCommunicator final : public Communicator {
     CommTrace& t;
     uint64_t seq;
     Progress(CommTrace& tr, const OpDesc& d) : t(tr), seq(d.seq) {
-      t.started_kind.store(int(d.kind));
-      t.started.store(d.seq);
+      t.started_kind.store(int(d.kind), std::memory_order_release);
+      t.started.store(d.seq, std::memory_order_release);
     }
-    ~Progress() { t.completed.store(seq); }
+    ~Progress() { t.completed.store(seq, std::memory_order_release); }
   };
+
+  // A synchronous collective with nothing queued before it: run on the caller's thread with no
+  // WorkState, executor hand-off or watchdog entry; the inline slot keeps it watched. Errors
+  // reach the caller as the Error a Work's wait() would throw.
+  void run_inline(OpCall& c, bool dbg) {
+    slot_->enter(c.desc, timeout());
+    struct Leave {
+      InlineSlot& s;
+      ~Leave() { s.leave(); }
+    } leave{*slot_};
+    try {
+      if (c.desc.delay.count() > 0) std::this_thread::sleep_for(c.desc.delay);
+      run(c, dbg);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(e.what());
+    } catch (...) {
+      throw Error("[" + std::string(op_kind_name(c.desc.kind)) + "] failed with an unknown exception");
+    }
+  }
 
   void debug_check(const OpCall& c) {
     std::vector<Signature> all(static_cast<size_t>(size()));
@@ -393,6 +423,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_;
   CommOptions opts_;
   std::shared_ptr<CommTrace> trace_;
+  std::shared_ptr<InlineSlot> slot_;
   OpExecutor exec_;
 };
 

@@ -158,7 +158,7 @@ class NcclCommunicator final : public Communicator {
  protected:
   bool host_memory_only() const override { return false; }
 
-  std::shared_ptr<WorkState> start(OpCall c) override {
+  std::shared_ptr<WorkState> start(OpCall&& c) override {
     cuda::set_device(device().index);
     if (is_collective(c.desc.kind)) {
       trace_->issued.store(c.desc.seq);
