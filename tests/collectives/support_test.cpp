@@ -172,3 +172,52 @@ TEST_CASE("nccl backend: the collectives suite passes at world size 1 on a GPU")
   for (auto& f : failures) text += f + "\n";
   CHECK_MESSAGE(failures.empty(), text);
 }
+
+TEST_CASE("inline slot: the watchdog's snapshot describes the running op exactly, and nothing once it left") {
+  detail::InlineSlot slot;
+  slot.comm = "world.split3[color 1]";
+  slot.rank = 2;
+  CHECK_FALSE(slot.snapshot().has_value());
+  detail::OpDesc d;
+  d.kind = detail::OpKind::reduce;
+  d.seq = 17;
+  d.comm = slot.comm;
+  d.rank = 2;
+  d.has_tensor = true;
+  d.dtype = DType::bf16;
+  d.shape = Shape{4, 3, 2};
+  d.rop = ReduceOp::max;
+  d.root = 1;
+  slot.enter(d, 2500ms);
+  auto snap = slot.snapshot();
+  REQUIRE(snap.has_value());
+  CHECK(snap->first.str() == d.str());
+  CHECK(snap->first.str() == "reduce #17 on world.split3[color 1] (shape (4, 3, 2), bf16, max, root 1, rank 2)");
+  CHECK(snap->second == 2500ms);
+  slot.leave();
+  CHECK_FALSE(slot.snapshot().has_value());
+  detail::OpDesc b;  // no tensor, no reduction
+  b.kind = detail::OpKind::barrier;
+  b.seq = 18;
+  b.comm = slot.comm;
+  b.rank = 2;
+  slot.enter(b, 1s);
+  snap = slot.snapshot();
+  REQUIRE(snap.has_value());
+  CHECK(snap->first.str() == "barrier #18 on world.split3[color 1] (rank 2)");
+}
+
+TEST_CASE("op shape: inline up to 8 dims, spilled beyond, equal to the shape either way") {
+  const Shape small{5, 1, 7}, big{2, 1, 3, 1, 2, 1, 2, 1, 3};
+  detail::OpShape a = small, b = big;
+  CHECK(a.size() == 3);
+  CHECK(a.vec() == small);
+  CHECK(a.numel() == 35);
+  CHECK(b.size() == 9);
+  CHECK(b.vec() == big);
+  CHECK(b[8] == 3);
+  CHECK(b.numel() == 72);
+  b = small;
+  CHECK(b.vec() == small);
+  CHECK(detail::OpShape().numel() == 1);
+}
