@@ -7,6 +7,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -24,6 +25,32 @@ template <class C> using CArr = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic,
 // Rows per thread chunk so that a chunk holds about kGrain elements.
 inline int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)); }
 
+// dst[i] = C(src[i]) / dst[i] = T(src[i]). bf16 is written with integer ops and a select, not
+// the scalar converter's early return, so these loops vectorise (they bound every bf16 kernel).
+template <class C, class T>
+inline void widen_n(C* __restrict dst, const T* __restrict src, int64_t n) {
+  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, float>) {
+    const uint16_t* __restrict b = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(b[i]) << 16);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = C(src[i]);
+  }
+}
+template <class T, class C>
+inline void narrow_n(T* __restrict dst, const C* __restrict src, int64_t n) {
+  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, float>) {
+    uint16_t* __restrict b = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = std::bit_cast<uint32_t>(src[i]);
+      const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // to nearest even
+      const uint32_t quiet = (u >> 16) | 0x40u;                           // NaN stays NaN
+      b[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+  }
+}
+
 // Scratch rows of the compute type for one thread's chunk (empty when T is already C).
 template <class T>
 struct Scratch {
@@ -36,7 +63,7 @@ struct Scratch {
   // The row as C values: itself, or widened into `buf`.
   static const C* load(const T* src, int64_t n, std::vector<C>& buf) {
     if constexpr (kWiden) {
-      for (int64_t i = 0; i < n; ++i) buf[size_t(i)] = C(src[i]);
+      widen_n(buf.data(), src, n);
       return buf.data();
     } else {
       return src;
@@ -48,8 +75,7 @@ struct Scratch {
     else return dst;
   }
   static void store(T* dst, const C* src, int64_t n) {
-    if constexpr (kWiden)
-      for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+    if constexpr (kWiden) narrow_n(dst, src, n);
   }
 };
 
@@ -197,11 +223,12 @@ void rms_fwd(T* y, compute_t<T>* rstd, const T* x, const T* res, T* h, const T* 
         T* __restrict hr = h + r * cols;
         if constexpr (S::kWiden) {
           C* __restrict hc = s.a.data();
-          for (int64_t i = 0; i < cols; ++i) {
-            const T hv = T(C(xr[i]) + C(rr[i]));
-            hr[i] = hv;
-            hc[i] = C(hv);
-          }
+          C* __restrict rc = s.c.data();
+          widen_n(hc, xr, cols);
+          widen_n(rc, rr, cols);
+          for (int64_t i = 0; i < cols; ++i) hc[i] += rc[i];
+          narrow_n(hr, hc, cols);
+          widen_n(hc, hr, cols);  // the norm reads h as stored
           xp = hc;
         } else {
           for (int64_t i = 0; i < cols; ++i) hr[i] = xr[i] + rr[i];
@@ -330,7 +357,7 @@ const compute_t<T>* widen_block(const T* src, int64_t n, compute_t<T>* buf) {
   if constexpr (std::is_same_v<T, compute_t<T>>) {
     return src;
   } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = compute_t<T>(src[i]);
+    widen_n(buf, src, n);
     return buf;
   }
 }
@@ -341,8 +368,7 @@ compute_t<T>* out_block(T* dst, compute_t<T>* buf) {
 }
 template <class T>
 void store_block(T* dst, const compute_t<T>* src, int64_t n) {
-  if constexpr (!std::is_same_v<T, compute_t<T>>)
-    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+  if constexpr (!std::is_same_v<T, compute_t<T>>) narrow_n(dst, src, n);
 }
 
 // Runs f(offset, len) over blocks of kEltBlock elements, blocks split among threads.
@@ -424,11 +450,14 @@ void rope_fwd(T* out, const T* x, const compute_t<T>* cosp, const compute_t<T>* 
             o[half + i0 + i] = x2[i] * cc + x1[i] * ss;
           }
         } else {
+          alignas(64) C o1[512], o2[512];
           for (int64_t i = 0; i < len; ++i) {
             const C cc = c[i0 + i], ss = sgn * sn[i0 + i];
-            o[i0 + i] = T(x1[i] * cc - x2[i] * ss);
-            o[half + i0 + i] = T(x2[i] * cc + x1[i] * ss);
+            o1[i] = x1[i] * cc - x2[i] * ss;
+            o2[i] = x2[i] * cc + x1[i] * ss;
           }
+          narrow_n(o + i0, o1, len);
+          narrow_n(o + half + i0, o2, len);
         }
       }
       for (int k = l.ndim - 1; k >= 0; --k) {
