@@ -347,7 +347,7 @@ class MpiCommunicator final : public Communicator {
     const DType dt = d.dtype;
     const MPI_Datatype type = mpi_type(dt);
     void* out = c.out.defined() ? c.out.data_ptr() : nullptr;
-    const void* in = c.in.defined() ? c.in.data_ptr() : nullptr;
+    const void* in = c.in.is_same(c.out) ? out : c.in.defined() ? c.in.data_ptr() : nullptr;  // in place: one lookup
     switch (d.kind) {
       case OpKind::all_reduce:
         QUILT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, out, to_count(c.out.numel(), d), type, mpi_op(dt, *d.rop), comm_));
