@@ -313,7 +313,18 @@ bool overlaps(const Tensor& a, const Tensor& b) {
   return alo < bhi && blo < ahi;
 }
 
-Shape trailing(const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); }
+// Whether a and b agree on every dim after dim 0 (and have at least one dim), without copies.
+bool same_trailing(const Tensor& a, const Tensor& b) {
+  const Shape &x = a.shape(), &y = b.shape();
+  return !x.empty() && x.size() == y.size() && std::equal(x.begin() + 1, x.end(), y.begin() + 1);
+}
+
+// Elements per row along dim 0.
+int64_t row_numel(const Tensor& t) {
+  int64_t n = 1;
+  for (size_t i = 1; i < t.shape().size(); ++i) n *= t.shape()[i];
+  return n;
+}
 
 int64_t checked_sum(const std::vector<int64_t>& v, const char* op, const char* what) {
   int64_t s = 0;
@@ -520,7 +531,6 @@ Work Communicator::all_gather(const Tensor& out, const Tensor& in, bool async_op
   std::vector<std::function<void()>> back;
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_gather");
-  c.in_counts.assign(size_t(size()), in.numel());
   if (signs()) c.sig = make_signature(c, in, false);
   return launch(std::move(c), std::move(back), async_op);
 }
@@ -530,7 +540,7 @@ Work Communicator::all_gather_v(const Tensor& out, const Tensor& in, const std::
   QUILT_CHECK(int(rows.size()) == size(), "[all_gather_v] needs one row count per rank (", size(), "), got ", rows);
   QUILT_CHECK(out.dtype() == in.dtype(), "[all_gather_v] output is ", dtype_name(out.dtype()), " but input is ",
               dtype_name(in.dtype()));
-  QUILT_CHECK(in.dim() >= 1 && out.dim() == in.dim() && trailing(out) == trailing(in),
+  QUILT_CHECK(same_trailing(in, out),
               "[all_gather_v] input of shape ", in.shape(), " and output of shape ", out.shape(),
               " must have the same dims after dim 0");
   const int64_t total = checked_sum(rows, "all_gather_v", "row counts");
@@ -539,7 +549,7 @@ Work Communicator::all_gather_v(const Tensor& out, const Tensor& in, const std::
   QUILT_CHECK(out.size(0) == total, "[all_gather_v] output has ", out.size(0), " rows, the row counts ", rows,
               " add up to ", total);
   OpCall c = begin(int(OpKind::all_gather_v), in, true);
-  const int64_t row = numel_of(trailing(in));
+  const int64_t row = row_numel(in);
   std::vector<std::function<void()>> back;
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_gather_v");
@@ -561,7 +571,6 @@ Work Communicator::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp 
   std::vector<std::function<void()>> back;
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "reduce_scatter");
-  c.in_counts.assign(size_t(size()), out.numel());
   if (signs()) c.sig = make_signature(c, out, false);
   return launch(std::move(c), std::move(back), async_op);
 }
@@ -573,7 +582,7 @@ Work Communicator::reduce_scatter_v(const Tensor& out, const Tensor& in, const s
               rows);
   QUILT_CHECK(out.dtype() == in.dtype(), "[reduce_scatter_v] output is ", dtype_name(out.dtype()),
               " but input is ", dtype_name(in.dtype()));
-  QUILT_CHECK(in.dim() >= 1 && out.dim() == in.dim() && trailing(out) == trailing(in),
+  QUILT_CHECK(same_trailing(in, out),
               "[reduce_scatter_v] input of shape ", in.shape(), " and output of shape ", out.shape(),
               " must have the same dims after dim 0");
   QUILT_CHECK(!(op == ReduceOp::avg && in.dtype() == DType::b8), "[reduce_scatter_v] avg is not defined for bool tensors");
@@ -584,7 +593,7 @@ Work Communicator::reduce_scatter_v(const Tensor& out, const Tensor& in, const s
               " rows but rows[", rank(), "] = ", rows[size_t(rank())]);
   OpCall c = begin(int(OpKind::reduce_scatter_v), out, true);
   c.desc.rop = op;
-  const int64_t row = numel_of(trailing(in));
+  const int64_t row = row_numel(in);
   std::vector<std::function<void()>> back;
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "reduce_scatter_v");
@@ -599,31 +608,34 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
   QUILT_CHECK(out.defined() && in.defined(), "[all_to_all_single] got an undefined tensor");
   QUILT_CHECK(out.dtype() == in.dtype(), "[all_to_all_single] output is ", dtype_name(out.dtype()),
               " but input is ", dtype_name(in.dtype()));
-  QUILT_CHECK(in.dim() >= 1 && out.dim() == in.dim() && trailing(out) == trailing(in),
+  QUILT_CHECK(same_trailing(in, out),
               "[all_to_all_single] input of shape ", in.shape(), " and output of shape ", out.shape(),
               " must have the same dims after dim 0");
-  auto splits_of = [&](const std::vector<int64_t>& given, const Tensor& t, const char* what) {
+  // Element counts per rank (row counts times the row size), validated before the op is numbered.
+  const int64_t row = row_numel(in);
+  auto counts_of = [&](const std::vector<int64_t>& given, const Tensor& t, const char* what) {
     if (given.empty()) {
       QUILT_CHECK(t.size(0) % size() == 0, "[all_to_all_single] ", what, " has ", t.size(0),
                   " rows, which do not split evenly over ", size(), " ranks; pass ", what, "_splits");
-      return std::vector<int64_t>(size_t(size()), t.size(0) / size());
+      return std::vector<int64_t>(size_t(size()), t.size(0) / size() * row);
     }
     QUILT_CHECK(int(given.size()) == size(), "[all_to_all_single] needs one ", what, " split per rank (", size(),
                 "), got ", given);
     const int64_t total = checked_sum(given, "all_to_all_single", "splits");
     QUILT_CHECK(total == t.size(0), "[all_to_all_single] ", what, "_splits ", given, " add up to ", total, " but the ",
                 what, " has ", t.size(0), " rows");
-    return given;
+    std::vector<int64_t> counts(given.size());
+    for (size_t i = 0; i < given.size(); ++i) counts[i] = given[i] * row;
+    return counts;
   };
-  const std::vector<int64_t> os = splits_of(out_splits, out, "output");
-  const std::vector<int64_t> is = splits_of(in_splits, in, "input");
+  std::vector<int64_t> oc = counts_of(out_splits, out, "output");
+  std::vector<int64_t> ic = counts_of(in_splits, in, "input");
   OpCall c = begin(int(OpKind::all_to_all), in, true);
-  const int64_t row = numel_of(trailing(in));
   std::vector<std::function<void()>> back;
   c.out = prepare_output(out, false, back);
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_to_all_single");
-  for (int64_t r : is) c.in_counts.push_back(r * row);
-  for (int64_t r : os) c.out_counts.push_back(r * row);
+  c.in_counts = std::move(ic);
+  c.out_counts = std::move(oc);
   if (signs()) c.sig = make_signature(c, in, true);
   return launch(std::move(c), std::move(back), async_op);
 }

@@ -114,6 +114,7 @@ struct OpCall {
   OpDesc desc;
   Tensor in, out;                    // in-place ops: in and out are the same tensor
   std::vector<int64_t> in_counts;    // elements sent to each rank (all_to_all), per-rank sizes of v forms
+                                     // (empty for all_gather and reduce_scatter: equal sizes)
   std::vector<int64_t> out_counts;   // elements received from each rank (all_to_all)
   std::vector<P2PItem> p2p;          // send, recv, batch_p2p
   int color = -1, key = 0;           // split

@@ -206,6 +206,9 @@ class ThreadsCommunicator final : public Communicator {
   bool checks_every_call() const override { return true; }
   std::shared_ptr<WorkState> start(OpCall&& c) override {
     if (!is_collective(c.desc.kind)) return start_p2p(c);
+    // The equal-size forms arrive without per-rank counts; the copy loops below use them.
+    if (c.desc.kind == OpKind::all_gather) c.in_counts.assign(size_t(size()), c.in.numel());
+    if (c.desc.kind == OpKind::reduce_scatter) c.in_counts.assign(size_t(size()), c.out.numel());
     auto w = std::make_shared<WorkState>(c.desc, timeout());
     exec_.submit(w, [this, c = std::move(c), wp = w.get()]() mutable { run_collective(c, *wp); },
                  c.async);

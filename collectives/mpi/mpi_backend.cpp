@@ -142,6 +142,20 @@ std::vector<int> displacements(const std::vector<int>& counts, const OpDesc& d) 
   return out;
 }
 
+// n ints, inline up to 64 (no allocation per call), else on the heap.
+class CountBuf {
+ public:
+  explicit CountBuf(size_t n) : p_(n <= kInline ? inline_ : (heap_.resize(n), heap_.data())) {}
+  int& operator[](size_t i) { return p_[i]; }
+  int* data() { return p_; }
+
+ private:
+  static constexpr size_t kInline = 64;
+  int inline_[kInline];
+  std::vector<int> heap_;
+  int* p_;
+};
+
 std::vector<int> world_ranks_of(MPI_Comm comm) {
   MPI_Group grp, world_grp;
   int n = 0;
@@ -385,11 +399,21 @@ class MpiCommunicator final : public Communicator {
         break;
       }
       case OpKind::all_to_all: {
-        const std::vector<int> sc = to_counts(c.in_counts, d), rc = to_counts(c.out_counts, d);
         // Always the vector form: whether every block has one size is a per-rank fact (a rank
         // that sends and receives nothing sees "all equal"), and MPI_Alltoall on some ranks with
-        // MPI_Alltoallv on others never completes.
-        const std::vector<int> sd = displacements(sc, d), rd = displacements(rc, d);
+        // MPI_Alltoallv on others never completes. Counts and displacements live on the stack
+        // up to 64 ranks (the MoE count exchange calls this every layer and step).
+        const size_t n = c.in_counts.size();
+        CountBuf sc(n), rc(n), sd(n), rd(n);
+        int64_t sat = 0, rat = 0;
+        for (size_t i = 0; i < n; ++i) {
+          sc[i] = to_count(c.in_counts[i], d);
+          rc[i] = to_count(c.out_counts[i], d);
+          sd[i] = to_count(sat, d);
+          rd[i] = to_count(rat, d);
+          sat += c.in_counts[i];
+          rat += c.out_counts[i];
+        }
         QUILT_CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), type, out, rc.data(), rd.data(), type, comm_));
         break;
       }
