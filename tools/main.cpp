@@ -3,8 +3,11 @@
 // This is the only file that includes CLI11 (it is slow to compile).
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
 #include <charconv>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <exception>
 #include <map>
@@ -54,10 +57,22 @@ std::vector<std::string> CommandArgs::list(const std::string& name) const {
   return it == values_.end() ? std::vector<std::string>{} : it->second;
 }
 
+// OpenMP workers sleep as soon as a parallel region ends (OMP_WAIT_POLICY=passive) unless the
+// user chose otherwise: libgomp's default spins ~300k polls first, which on a shared host burns
+// a core per idle worker between ops (bench/parallel/omp_wait.sh measures the choice).
+// libgomp reads the variable once, when it is loaded, before main; so the default is set by
+// running this binary again with it in the environment (same pid, so mpiexec is unaffected).
+void settle_omp_wait_policy(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT")) return;
+  if (setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+  execv("/proc/self/exe", argv);  // returns only on failure: then run on under the runtime's default
+}
+
 }  // namespace quilt
 
 int main(int argc, char** argv) {
   using namespace quilt;
+  settle_omp_wait_policy(argv);
   CLI::App app{"quilt: distributed training on a quilt of tensor shards"};
   app.set_version_flag("--version", "quilt 0.1.0");
   app.require_subcommand(1);
