@@ -94,11 +94,13 @@ compare() {  # compare NAME TITLE RECIPE-OVERRIDES...
 
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(grep -m1 '^flags' /proc/cpuinfo |
   grep -ow -e avx2 -e avx512f | tr '\n' ' ')$(nproc) cpus; torch $(/usr/bin/python3 -c 'import torch; print(torch.__version__)');" \
-  "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}; torch AdamW foreach $foreach; $steps steps, first $warmup untimed, $rounds round(s) per side"
+  "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}; torch AdamW foreach $foreach; $steps steps, first $warmup untimed, $rounds round(s) per side;" \
+  "load average $(cut -d' ' -f1-3 /proc/loadavg)"
 [ -n "$only" ] && [ "$only" != demo ] && [ "$only" != 12m ] && { echo "compare.sh: --only demo|12m" >&2; exit 2; }
 [ "$only" = 12m ] || compare demo "demo recipe (llama_tiny.yaml)"
 [ "$only" = demo ] || compare 12m "12M Llama" "${m12[@]}"
 echo
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "| config | quilt tokens/s | torch tokens/s | quilt/torch | max rel loss diff | max rel grad-norm diff |"
 echo "| --- | --- | --- | --- | --- | --- |"
 cat "$COMPARE_SUMMARY"
