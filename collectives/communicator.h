@@ -65,7 +65,8 @@ class Work {
   bool wait_for(std::chrono::milliseconds timeout);
   /// True once the operation has finished (successfully or not); never blocks.
   bool is_completed() const;
-  /// "all_reduce #5 on world (shape (4, 3), f32, sum)", or "no-op".
+  /// "all_reduce #5 on world (shape (4, 3), f32, sum)", or "no-op" (also the Work of a
+  /// synchronous MPI collective, which carries no state: it ran inline and had completed).
   std::string describe() const;
 
  private:
