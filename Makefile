@@ -28,8 +28,17 @@ examples: install
 	cmake --build $(BUILD)/examples -j $(JOBS)
 
 # The installed `quilt` must run on its own (RPATH to its lib/), without LD_LIBRARY_PATH.
+# The suite runs once with the GEMM library chosen for this machine, then once more with each
+# other library installed forced (QUILT_GEMM), so every test passes on every GEMM backend.
 test: build examples
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+	@chosen=$$($(BUILD)/bin/quilt gemm | sed -n 's/^gemm: \([a-z]*\).*/\1/p'); \
+	for lib in $$($(BUILD)/bin/quilt gemm --list); do \
+	  [ "$$lib" = "$$chosen" ] && continue; \
+	  echo "quilt: the test suite again with QUILT_GEMM=$$lib (the default here is $$chosen)"; \
+	  (cd $(BUILD) && QUILT_GEMM=$$lib ctest --output-on-failure -j $(JOBS) --timeout 900) || exit 1; \
+	  echo "quilt: all tests passed with QUILT_GEMM=$$lib"; \
+	done
 	$(BUILD)/examples/tiny_regression
 	@env -u LD_LIBRARY_PATH $(PREFIX)/bin/quilt --help > /dev/null || \
 	  { echo "installed $(PREFIX)/bin/quilt does not run (missing RPATH to libquilt?)"; exit 1; }

@@ -106,6 +106,8 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
     const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
     kernels::cpu::set_gemm_threads(std::max(1, cores / std::max(1, launch_info().local_size)));
   }
+  log_line("gemm: ", kernels::cpu::gemm_backend(), " (", kernels::cpu::gemm_backend_reason(), "), ",
+           kernels::cpu::gemm_threads(), " threads per rank");
   r->meshes = r->dims.build_meshes(r->world);
   const std::string weights = cfg.model.pretrained ? pretrained_weights(cfg.model) : "";
 

@@ -1,69 +1,108 @@
-// f32 matmul GFLOP/s: quilt's matmul (Eigen by default, and with QUILT_GEMM=openblas) against
-// Eigen and OpenBLAS called directly. The ratio quilt / best library is what docs/PERF.md records.
-#include <Eigen/Core>
+// The GEMM table: every GEMM library this process can use, side by side in one run, at the
+// shapes training runs (square 512/1024/2048 and tokens x hidden: 8192x512x512, 8192x512x1376,
+// 8192x1376x512 in all four transpose modes), in f32 and in bf16 (f32 accumulate). Each row
+// calls the engine's GEMM kernel with one library forced; the "default" rows run the `matmul`
+// op (tensor in, tensor out) with the library the engine chose for this machine. After the
+// runs a summary prints, per shape, the default's GFLOP/s against the best library's.
+//
+//   build/bin/matmul_bench                       # the whole table (about a minute)
+//   build/bin/matmul_bench --benchmark_filter=f32/2048
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "bench/engine/bench_util.h"
 #include "engine/engine.h"
 #include "kernels/cpu/matmul.h"
-#ifdef QUILT_HAVE_CBLAS
-#include <cblas.h>
-#endif
 
 using namespace quilt;
 
-static void BM_matmul_quilt(benchmark::State& state) {
-  const int64_t n = state.range(0);
-  Tensor a = randn({n, n}, RngKey(1, "a")), b = randn({n, n}, RngKey(1, "b"));
+namespace {
+
+struct Case {
+  int64_t m, n, k;
+  bool ta, tb;
+  std::string name() const {
+    return std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + "/" + (ta ? "T" : "N") +
+           (tb ? "T" : "N");
+  }
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> s;
+  for (int64_t n : {512, 1024, 2048}) s.push_back({n, n, n, false, false});
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{8192, 512, 512}, {8192, 512, 1376}, {8192, 1376, 512}})
+    for (int t = 0; t < 4; ++t) s.push_back({m, n, k, bool(t & 2), bool(t & 1)});
+  return s;
+}
+
+std::string g_default;                          // the library chosen for this machine
+std::map<std::string, std::map<std::string, double>> g_rates;  // "dtype/shape" -> lib -> GFLOP/s
+
+double flops(const Case& s) { return 2.0 * double(s.m) * double(s.n) * double(s.k); }
+
+// One library, called through the engine's GEMM kernel on preallocated operands.
+void run_library(benchmark::State& state, const std::string& lib, DType dt, Case s) {
+  kernels::cpu::set_gemm_backend(lib);
+  Tensor a = randn(s.ta ? Shape{s.k, s.m} : Shape{s.m, s.k}, RngKey(1, "a")).to(dt);
+  Tensor b = randn(s.tb ? Shape{s.n, s.k} : Shape{s.k, s.n}, RngKey(1, "b")).to(dt);
+  Tensor c = empty({s.m, s.n}, {.dtype = dt});
+  kernels::GemmArgs g{.m = s.m, .n = s.n, .k = s.k, .trans_a = s.ta, .trans_b = s.tb, .a = a.data_ptr(),
+             .lda = s.ta ? s.m : s.k, .b = b.data_ptr(), .ldb = s.tb ? s.k : s.n, .c = c.data_ptr(), .ldc = s.n};
+  kernels::cpu::gemm(dt, g);  // warm
+  const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    Tensor c = matmul(a, b);
+    kernels::cpu::gemm(dt, g);
     benchmark::DoNotOptimize(c.data_ptr());
   }
-  bench::set_flops(state, 2.0 * double(n) * double(n) * double(n));
-  state.SetLabel(kernels::cpu::gemm_backend());
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  bench::set_flops(state, flops(s));
+  state.SetLabel(lib);
+  g_rates[std::string(dtype_name(dt)) + "/" + s.name()][lib] = flops(s) * double(state.iterations()) / secs / 1e9;
 }
-BENCHMARK(BM_matmul_quilt)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-static void BM_matmul_quilt_transposed_b(benchmark::State& state) {
-  const int64_t n = state.range(0);
-  Tensor a = randn({n, n}, RngKey(1, "a")), w = randn({n, n}, RngKey(1, "w"));
-  for (auto _ : state) {
-    Tensor c = linear(a, w);  // a @ w^T, as every Linear layer runs
-    benchmark::DoNotOptimize(c.data_ptr());
+}  // namespace
+
+int main(int argc, char** argv) {
+  g_default = kernels::cpu::gemm_backend();
+  std::printf("GEMM libraries present: ");
+  for (const auto& l : kernels::cpu::gemm_backends()) std::printf("%s ", l.c_str());
+  std::printf("\ndefault: %s (%s)\n", g_default.c_str(), kernels::cpu::gemm_backend_reason().c_str());
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const Case& s : cases()) {
+      const std::string row = std::string(dtype_name(dt)) + "/" + s.name();
+      for (const std::string& lib : kernels::cpu::gemm_backends())
+        benchmark::RegisterBenchmark(("gemm/" + row + "/" + lib).c_str(),
+                                     [=](benchmark::State& st) { run_library(st, lib, dt, s); })
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime()
+            ->MinTime(0.2);
+    }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  // The summary: per shape, every library's GFLOP/s, the best, and the default against it.
+  std::printf("\n%-26s", "dtype/shape (m x n x k)");
+  for (const auto& l : kernels::cpu::gemm_backends()) std::printf(" %9s", l.c_str());
+  std::printf("   best      default/best\n");
+  double worst = 1e30;
+  for (const auto& [row, rates] : g_rates) {
+    std::printf("%-26s", row.c_str());
+    std::string best;
+    for (const auto& l : kernels::cpu::gemm_backends()) {
+      auto it = rates.find(l);
+      if (it == rates.end()) { std::printf(" %9s", "-"); continue; }
+      std::printf(" %9.1f", it->second);
+      if (best.empty() || it->second > rates.at(best)) best = l;
+    }
+    auto d = rates.find(g_default);
+    if (d == rates.end()) { std::printf("\n"); continue; }
+    const double ratio = d->second / rates.at(best);
+    worst = std::min(worst, ratio);
+    std::printf("   %-9s %5.2f\n", best.c_str(), ratio);
   }
-  bench::set_flops(state, 2.0 * double(n) * double(n) * double(n));
+  if (worst < 1e30) std::printf("default (%s) / best library, worst shape: %.2f\n", g_default.c_str(), worst);
+  return 0;
 }
-BENCHMARK(BM_matmul_quilt_transposed_b)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
-
-static void BM_matmul_eigen(benchmark::State& state) {
-  const int64_t n = state.range(0);
-  using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  M a = M::Random(n, n), b = M::Random(n, n), c(n, n);
-  for (auto _ : state) {
-    c.noalias() = a * b;
-    benchmark::DoNotOptimize(c.data());
-  }
-  bench::set_flops(state, 2.0 * double(n) * double(n) * double(n));
-}
-BENCHMARK(BM_matmul_eigen)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
-
-#ifdef QUILT_HAVE_CBLAS
-static void BM_matmul_quilt_openblas(benchmark::State& state) {
-  kernels::cpu::set_gemm_use_blas(true);
-  BM_matmul_quilt(state);
-  kernels::cpu::set_gemm_use_blas(false);
-}
-BENCHMARK(BM_matmul_quilt_openblas)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
-
-static void BM_matmul_openblas_direct(benchmark::State& state) {
-  const int n = int(state.range(0));
-  std::vector<float> a(size_t(n) * n, 1.0f), b(size_t(n) * n, 0.5f), c(size_t(n) * n);
-  for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
-    benchmark::DoNotOptimize(c.data());
-  }
-  bench::set_flops(state, 2.0 * double(n) * double(n) * double(n));
-}
-BENCHMARK(BM_matmul_openblas_direct)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
-#endif
-
-BENCHMARK_MAIN();

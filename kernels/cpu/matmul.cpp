@@ -1,131 +1,159 @@
-// CPU GEMM. Batches run one after another with the GEMM itself threaded (BLAS or Eigen's
-// OpenMP path) when the matrices are large, and in parallel across batches when small.
+// CPU GEMM. f32 and f64 go to the GEMM library chosen for the machine (gemm_libs.h), threaded by
+// the library; batches of small matrices run in parallel across the batch instead, each GEMM on
+// one thread. bf16/f16 are widened to f32 in row panels (in parallel), multiplied and rounded
+// back, or multiplied natively where the CPU has bf16 instructions and oneDNN is present.
 #include "kernels/cpu/matmul.h"
 
-#include <Eigen/Core>
-
-#include <dlfcn.h>
 #include <omp.h>
 
-#include <atomic>
-#include <cstdlib>
+#include <algorithm>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/gemm_libs.h"
 #include "kernels/cpu/parallel.h"
-
-#ifdef QUILT_HAVE_CBLAS
-#include <cblas.h>
-#endif
 
 namespace quilt::kernels::cpu {
 namespace {
 
-// Eigen by default: on the machines measured (docs/PERF.md) its OpenMP GEMM beats OpenBLAS and
-// shares one thread pool with every other kernel, where OpenBLAS's own pool would compete with
-// OpenMP's for the same cores. QUILT_GEMM=openblas selects BLAS.
-std::atomic<bool> g_use_blas{[] {
-  const char* v = std::getenv("QUILT_GEMM");
-  return v != nullptr && std::string(v) == "openblas";
-}()};
+using gemm_libs::Lib;
 
 template <class T>
-using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using CMap = Eigen::Map<const RowMat<T>, 0, Eigen::OuterStride<>>;
-template <class T>
-using MMap = Eigen::Map<RowMat<T>, 0, Eigen::OuterStride<>>;
-
-template <class T>
-void gemm_eigen_one(const GemmArgs& g, const T* a, const T* b, T* c) {
-  CMap<T> A(a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, Eigen::OuterStride<>(g.lda));
-  CMap<T> B(b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, Eigen::OuterStride<>(g.ldb));
-  MMap<T> C(c, g.m, g.n, Eigen::OuterStride<>(g.ldc));
-  const T alpha = T(g.alpha);
-  if (g.beta == 0.0f) {
-    if (!g.trans_a && !g.trans_b) C.noalias() = alpha * (A * B);
-    else if (g.trans_a && !g.trans_b) C.noalias() = alpha * (A.transpose() * B);
-    else if (!g.trans_a && g.trans_b) C.noalias() = alpha * (A * B.transpose());
-    else C.noalias() = alpha * (A.transpose() * B.transpose());
-  } else {
-    C *= T(g.beta);
-    if (!g.trans_a && !g.trans_b) C.noalias() += alpha * (A * B);
-    else if (g.trans_a && !g.trans_b) C.noalias() += alpha * (A.transpose() * B);
-    else if (!g.trans_a && g.trans_b) C.noalias() += alpha * (A * B.transpose());
-    else C.noalias() += alpha * (A.transpose() * B.transpose());
-  }
-}
-
-template <class T>
-void gemm_one(const GemmArgs& g, const T* a, const T* b, T* c) {
+void gemm_one(const GemmArgs& g, const T* a, const T* b, T* c, Lib lib) {
   if (g.m == 0 || g.n == 0) return;
   if (g.k == 0) {
     for (int64_t i = 0; i < g.m; ++i)
       for (int64_t j = 0; j < g.n; ++j) c[i * g.ldc + j] = g.beta == 0.0f ? T(0) : T(g.beta) * c[i * g.ldc + j];
     return;
   }
-#ifdef QUILT_HAVE_CBLAS
-  if (g_use_blas.load(std::memory_order_relaxed)) {
-    const auto ta = g.trans_a ? CblasTrans : CblasNoTrans;
-    const auto tb = g.trans_b ? CblasTrans : CblasNoTrans;
-    if constexpr (std::is_same_v<T, float>) {
-      cblas_sgemm(CblasRowMajor, ta, tb, int(g.m), int(g.n), int(g.k), g.alpha, a, int(g.lda), b, int(g.ldb),
-                  g.beta, c, int(g.ldc));
-      return;
-    } else if constexpr (std::is_same_v<T, double>) {
-      cblas_dgemm(CblasRowMajor, ta, tb, int(g.m), int(g.n), int(g.k), g.alpha, a, int(g.lda), b, int(g.ldb),
-                  g.beta, c, int(g.ldc));
-      return;
-    }
+  bool done;
+  if constexpr (std::is_same_v<T, float>) done = gemm_libs::sgemm(lib, g, a, b, c);
+  else done = gemm_libs::dgemm(lib, g, a, b, c);
+  if (!done) {  // a library that cannot take these sizes: Eigen always can
+    if constexpr (std::is_same_v<T, float>) gemm_libs::sgemm(Lib::eigen, g, a, b, c);
+    else gemm_libs::dgemm(Lib::eigen, g, a, b, c);
   }
-#endif
-  gemm_eigen_one<T>(g, a, b, c);
 }
+
+// Batches of small matrices: parallel over the batch, each GEMM single-threaded.
+bool small_batches(const GemmArgs& g) { return g.batch > 1 && g.m * g.n * g.k < (int64_t(1) << 18); }
+
+int64_t off(const int64_t* o, int64_t i) { return o ? o[i] : 0; }
 
 template <class T>
 void gemm_batched(const GemmArgs& g) {
-  auto off = [](const int64_t* o, int64_t i) { return o ? o[i] : 0; };
   const T* a = static_cast<const T*>(g.a);
   const T* b = static_cast<const T*>(g.b);
   T* c = static_cast<T*>(g.c);
-  const int64_t work = g.m * g.n * g.k;
-  if (g.batch > 1 && work < (int64_t(1) << 18)) {
-    // Small matrices: parallel over the batch, each GEMM single-threaded.
+  if (small_batches(g)) {
     parallel_range(g.batch, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i)
-        gemm_eigen_one<T>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i));
+        gemm_one<T>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), Lib::eigen);
     });
     return;
   }
+  const Lib lib = gemm_libs::active();
   for (int64_t i = 0; i < g.batch; ++i)
-    gemm_one<T>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i));
+    gemm_one<T>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), lib);
 }
 
-// 16-bit floats: widen each operand matrix to f32 (dense), multiply, round back.
+// --- 16-bit floats ---------------------------------------------------------------------------
+
+// dst (rows x cols, dense) = float(src) with row stride ld, rows in parallel.
+template <class H>
+void widen(float* dst, const H* src, int64_t rows, int64_t cols, int64_t ld) {
+  parallel_range(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, cols)), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const H* s = src + i * ld;
+      float* d = dst + i * cols;
+      for (int64_t j = 0; j < cols; ++j) d[j] = float(s[j]);
+    }
+  });
+}
+
+template <class H>
+void narrow(H* dst, const float* src, int64_t rows, int64_t cols, int64_t ld) {
+  parallel_range(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, cols)), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* s = src + i * cols;
+      H* d = dst + i * ld;
+      for (int64_t j = 0; j < cols; ++j) d[j] = H(s[j]);
+    }
+  });
+}
+
+struct HalfBuffers {
+  std::vector<float> a, b, c;
+};
+
+float* sized(std::vector<float>& v, int64_t n) {
+  if (int64_t(v.size()) < n) v.resize(size_t(n));
+  return v.data();
+}
+
+// One 16-bit GEMM. B is widened once; A and C go through in row panels of C so the f32 copies
+// stay small next to the operands (the panels are still large enough for a full-speed GEMM).
+template <class H>
+void gemm_half_one(const GemmArgs& g, const H* a, const H* b, H* c, Lib lib, bool native) {
+  if (g.m == 0 || g.n == 0) return;
+  thread_local HalfBuffers buf;
+  const int64_t panel = std::max<int64_t>(256, (int64_t(8) << 20) / std::max<int64_t>(1, std::max(g.k, g.n)));
+  const int64_t br = g.trans_b ? g.n : g.k, bc = g.trans_b ? g.k : g.n;
+  float* B = nullptr;
+  if (!native) {
+    B = sized(buf.b, br * bc);
+    widen(B, b, br, bc, g.ldb);
+  }
+  for (int64_t i0 = 0; i0 < g.m; i0 += panel) {
+    const int64_t mp = std::min(panel, g.m - i0);
+    float* C = sized(buf.c, mp * g.n);
+    if (g.beta != 0.0f) widen(C, c + i0 * g.ldc, mp, g.n, g.ldc);
+    GemmArgs f = g;
+    f.m = mp;
+    f.ldc = g.n;
+    f.batch = 1;
+    f.a_offsets = f.b_offsets = f.c_offsets = nullptr;
+    const H* a_panel = a + (g.trans_a ? i0 : i0 * g.lda);
+    bool done = false;
+    if (native && g.k > 0) {
+      if constexpr (std::is_same_v<H, BFloat16>)
+        done = gemm_libs::gemm_bf16_f32(Lib::onednn, f, reinterpret_cast<const uint16_t*>(a_panel),
+                                        reinterpret_cast<const uint16_t*>(b), C);
+    }
+    if (!done) {
+      if (!B) {
+        B = sized(buf.b, br * bc);
+        widen(B, b, br, bc, g.ldb);
+      }
+      const int64_t ar = g.trans_a ? g.k : mp, ac = g.trans_a ? mp : g.k;
+      float* A = sized(buf.a, ar * ac);
+      widen(A, a_panel, ar, ac, g.lda);
+      f.lda = ac;
+      f.ldb = bc;
+      gemm_one<float>(f, A, B, C, lib);
+    }
+    narrow(c + i0 * g.ldc, C, mp, g.n, g.ldc);
+  }
+}
+
 template <class H>
 void gemm_half(const GemmArgs& g) {
-  auto off = [](const int64_t* o, int64_t i) { return o ? o[i] : 0; };
-  const int64_t ar = g.trans_a ? g.k : g.m, ac = g.trans_a ? g.m : g.k;
-  const int64_t br = g.trans_b ? g.n : g.k, bc = g.trans_b ? g.k : g.n;
-  std::vector<float> A(size_t(ar * ac)), B(size_t(br * bc)), C(size_t(g.m * g.n));
-  for (int64_t bi = 0; bi < g.batch; ++bi) {
-    const H* a = static_cast<const H*>(g.a) + off(g.a_offsets, bi);
-    const H* b = static_cast<const H*>(g.b) + off(g.b_offsets, bi);
-    H* c = static_cast<H*>(g.c) + off(g.c_offsets, bi);
-    for (int64_t i = 0; i < ar; ++i)
-      for (int64_t j = 0; j < ac; ++j) A[size_t(i * ac + j)] = float(a[i * g.lda + j]);
-    for (int64_t i = 0; i < br; ++i)
-      for (int64_t j = 0; j < bc; ++j) B[size_t(i * bc + j)] = float(b[i * g.ldb + j]);
-    if (g.beta != 0.0f)
-      for (int64_t i = 0; i < g.m; ++i)
-        for (int64_t j = 0; j < g.n; ++j) C[size_t(i * g.n + j)] = float(c[i * g.ldc + j]);
-    GemmArgs f = g;
-    f.a = A.data(); f.lda = ac; f.b = B.data(); f.ldb = bc; f.c = C.data(); f.ldc = g.n;
-    f.batch = 1; f.a_offsets = f.b_offsets = f.c_offsets = nullptr;
-    gemm_one<float>(f, A.data(), B.data(), C.data());
-    for (int64_t i = 0; i < g.m; ++i)
-      for (int64_t j = 0; j < g.n; ++j) c[i * g.ldc + j] = H(C[size_t(i * g.n + j)]);
+  const H* a = static_cast<const H*>(g.a);
+  const H* b = static_cast<const H*>(g.b);
+  H* c = static_cast<H*>(g.c);
+  if (small_batches(g)) {
+    parallel_range(g.batch, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i)
+        gemm_half_one<H>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), Lib::eigen,
+                         false);
+    });
+    return;
   }
+  const Lib lib = gemm_libs::active();
+  const bool native = std::is_same_v<H, BFloat16> && gemm_libs::bf16_native();
+  for (int64_t i = 0; i < g.batch; ++i)
+    gemm_half_one<H>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), lib, native);
 }
 
 }  // namespace
@@ -140,21 +168,29 @@ void gemm(DType dt, const GemmArgs& args) {
   }
 }
 
-const char* gemm_backend() {
-#ifdef QUILT_HAVE_CBLAS
-  return g_use_blas.load() ? "openblas" : "eigen";
-#else
-  return "eigen";
-#endif
+const char* gemm_backend() { return gemm_libs::lib_name(gemm_libs::active()); }
+
+std::string gemm_backend_reason() { return gemm_libs::reason(); }
+
+std::vector<std::string> gemm_backends() {
+  std::vector<std::string> names;
+  for (int i = 0; i < gemm_libs::kNumLibs; ++i)
+    if (gemm_libs::present(Lib(i))) names.emplace_back(gemm_libs::lib_name(Lib(i)));
+  return names;
 }
 
-void set_gemm_use_blas(bool use) { g_use_blas.store(use); }
+void set_gemm_backend(const std::string& name) {
+  for (int i = 0; i < gemm_libs::kNumLibs; ++i)
+    if (name == gemm_libs::lib_name(Lib(i))) return gemm_libs::set_active(Lib(i));
+  throw std::runtime_error("set_gemm_backend: unknown GEMM library '" + name +
+                           "' (one of: eigen, openblas, blis, onednn)");
+}
 
 void set_gemm_threads(int n) {
   omp_set_num_threads(n);
-  // OpenBLAS keeps its own thread pool; found at run time so any BLAS links.
-  using SetThreads = void (*)(int);
-  if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(n);
+  gemm_libs::set_threads(n);
 }
+
+int gemm_threads() { return omp_get_max_threads(); }
 
 }  // namespace quilt::kernels::cpu

@@ -1,6 +1,9 @@
-// CPU GEMM: Eigen (OpenMP) by default, OpenBLAS for f32/f64 when QUILT_GEMM=openblas and the
-// build found it; bf16/f16 are widened to f32, multiplied, and rounded back.
+// CPU GEMM on the fastest library the machine has (Eigen, OpenBLAS, BLIS or oneDNN: see
+// kernels/cpu/gemm_libs.h for how it is chosen); bf16/f16 accumulate in f32.
 #pragma once
+
+#include <string>
+#include <vector>
 
 #include "kernels/dtype.h"
 #include "kernels/loop.h"
@@ -9,12 +12,19 @@ namespace quilt::kernels::cpu {
 
 /// Batched row-major GEMM (see GemmArgs).
 void gemm(DType dt, const GemmArgs& args);
-/// Which library does f32 GEMM in this build ("openblas" or "eigen").
+/// The library doing f32 GEMM in this process ("eigen", "openblas", "blis" or "onednn"); the
+/// first call makes the choice (QUILT_GEMM=name forces it).
 const char* gemm_backend();
-/// Threads the GEMM may use (OpenMP for Eigen, the BLAS library's own pool otherwise); ranks
-/// sharing a host each take their share of its cores.
+/// How it was chosen, for the startup log (the forcing variable, or the measured GFLOP/s).
+std::string gemm_backend_reason();
+/// The libraries this process can use, Eigen first.
+std::vector<std::string> gemm_backends();
+/// Switches library by name; throws naming the Debian package when it is not installed.
+void set_gemm_backend(const std::string& name);
+/// Threads the GEMM and every other kernel may use (one OpenMP pool, which every library
+/// follows); ranks sharing a host each take their share of its cores.
 void set_gemm_threads(int n);
-/// Forces Eigen even when BLAS is present (benchmarks compare the two).
-void set_gemm_use_blas(bool use);
+/// The threads a GEMM (and every kernel) uses now.
+int gemm_threads();
 
 }  // namespace quilt::kernels::cpu

@@ -1,0 +1,421 @@
+// The GEMM libraries (see gemm_libs.h): loading, calling, measuring and choosing.
+#include "kernels/cpu/gemm_libs.h"
+
+#include <Eigen/Core>
+
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <omp.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifndef QUILT_SYSTEM_LIBDIR
+#define QUILT_SYSTEM_LIBDIR "/usr/lib/x86_64-linux-gnu"
+#endif
+
+namespace quilt::kernels::cpu::gemm_libs {
+namespace {
+
+namespace fs = std::filesystem;
+
+// CBLAS (OpenBLAS and BLIS, 32-bit integers as Debian builds both).
+using CblasS = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                        int);
+using CblasD = void (*)(int, int, int, int, int, int, double, const double*, int, const double*, int, double,
+                        double*, int);
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+// oneDNN's row-major GEMMs (dnnl_dim_t is int64_t; they return a dnnl_status_t, 0 = success).
+using DnnlS = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                      float, float*, int64_t);
+using DnnlBf16 = int (*)(char, char, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, const uint16_t*,
+                         int64_t, float, float*, int64_t);
+
+struct Loaded {
+  void* handle = nullptr;
+  CblasS cblas_s = nullptr;
+  CblasD cblas_d = nullptr;
+  DnnlS dnnl_s = nullptr;
+  DnnlBf16 dnnl_bf16 = nullptr;
+  void (*set_threads)(int) = nullptr;       // openblas_set_num_threads
+  void (*set_threads64)(int64_t) = nullptr;  // bli_thread_set_num_threads
+  int native_bf16 = -1;                     // probed on first use: 1 yes, 0 no
+};
+
+void* open_lib(const std::string& path) { return dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL); }
+
+template <class F>
+F sym(void* h, const char* name) {
+  return reinterpret_cast<F>(dlsym(h, name));
+}
+
+Loaded load_openblas() {
+  Loaded l;
+  // Only the OpenMP build: the pthread one keeps its own pool, which competes with OpenMP's.
+  l.handle = open_lib(std::string(QUILT_SYSTEM_LIBDIR) + "/openblas-openmp/libopenblas.so.0");
+  if (!l.handle) return {};
+  auto parallel = sym<int (*)()>(l.handle, "openblas_get_parallel");
+  l.cblas_s = sym<CblasS>(l.handle, "cblas_sgemm");
+  l.cblas_d = sym<CblasD>(l.handle, "cblas_dgemm");
+  l.set_threads = sym<void (*)(int)>(l.handle, "openblas_set_num_threads");
+  if (!parallel || parallel() != 2 || !l.cblas_s || !l.cblas_d) return {};  // 2: OpenMP threading
+  return l;
+}
+
+Loaded load_blis() {
+  Loaded l;
+  l.handle = open_lib(std::string(QUILT_SYSTEM_LIBDIR) + "/blis-openmp/libblis.so.4");
+  if (!l.handle) return {};
+  l.cblas_s = sym<CblasS>(l.handle, "cblas_sgemm");
+  l.cblas_d = sym<CblasD>(l.handle, "cblas_dgemm");
+  l.set_threads64 = sym<void (*)(int64_t)>(l.handle, "bli_thread_set_num_threads");
+  if (!l.cblas_s || !l.cblas_d || !l.set_threads64) return {};
+  return l;
+}
+
+Loaded load_onednn() {
+  Loaded l;
+  l.handle = open_lib("libdnnl.so.2");
+  if (!l.handle) l.handle = open_lib(std::string(QUILT_SYSTEM_LIBDIR) + "/libdnnl.so.2");
+  if (!l.handle) return {};
+  l.dnnl_s = sym<DnnlS>(l.handle, "dnnl_sgemm");
+  l.dnnl_bf16 = sym<DnnlBf16>(l.handle, "dnnl_gemm_bf16bf16f32");
+  if (!l.dnnl_s) return {};
+  return l;
+}
+
+Loaded (&libs())[kNumLibs] {
+  static Loaded table[kNumLibs] = {Loaded{}, load_openblas(), load_blis(), load_onednn()};
+  return table;
+}
+
+const char* const kNames[kNumLibs] = {"eigen", "openblas", "blis", "onednn"};
+const char* const kPackages[kNumLibs] = {"", "libopenblas-openmp-dev", "libblis-openmp-dev", "libdnnl-dev"};
+
+// The libraries' own thread counts follow OpenMP's, set outside parallel regions only.
+std::atomic<int> g_lib_threads{-1};
+
+void sync_threads() {
+  if (omp_in_parallel()) return;  // nested calls run on one thread in every library
+  const int n = omp_get_max_threads();
+  if (g_lib_threads.load(std::memory_order_relaxed) == n) return;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& l : libs()) {
+    if (l.set_threads) l.set_threads(n);
+    if (l.set_threads64) l.set_threads64(n);
+  }
+  g_lib_threads.store(n);
+}
+
+bool fits_int(const GemmArgs& g) {
+  for (int64_t v : {g.m, g.n, g.k, g.lda, g.ldb, g.ldc})
+    if (v > INT_MAX) return false;
+  return true;
+}
+
+template <class T>
+using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T>
+using CMap = Eigen::Map<const RowMat<T>, 0, Eigen::OuterStride<>>;
+template <class T>
+using MMap = Eigen::Map<RowMat<T>, 0, Eigen::OuterStride<>>;
+
+template <class T>
+void eigen_gemm_t(const GemmArgs& g, const T* a, const T* b, T* c) {
+  CMap<T> A(a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, Eigen::OuterStride<>(g.lda));
+  CMap<T> B(b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, Eigen::OuterStride<>(g.ldb));
+  MMap<T> C(c, g.m, g.n, Eigen::OuterStride<>(g.ldc));
+  const T alpha = T(g.alpha);
+  if (g.beta == 0.0f) {
+    if (!g.trans_a && !g.trans_b) C.noalias() = alpha * (A * B);
+    else if (g.trans_a && !g.trans_b) C.noalias() = alpha * (A.transpose() * B);
+    else if (!g.trans_a && g.trans_b) C.noalias() = alpha * (A * B.transpose());
+    else C.noalias() = alpha * (A.transpose() * B.transpose());
+  } else {
+    C *= T(g.beta);
+    if (!g.trans_a && !g.trans_b) C.noalias() += alpha * (A * B);
+    else if (g.trans_a && !g.trans_b) C.noalias() += alpha * (A.transpose() * B);
+    else if (!g.trans_a && g.trans_b) C.noalias() += alpha * (A * B.transpose());
+    else C.noalias() += alpha * (A.transpose() * B.transpose());
+  }
+}
+
+// --- the choice -----------------------------------------------------------------------------
+
+std::string cpu_signature() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, model, flags;
+  while (std::getline(in, line) && (model.empty() || flags.empty())) {
+    if (model.empty() && line.rfind("model name", 0) == 0) model = line;
+    if (flags.empty() && line.rfind("flags", 0) == 0) flags = line;
+  }
+  return model + "\n" + flags;
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
+  return h;
+}
+
+fs::path cache_dir() {
+  if (const char* d = std::getenv("QUILT_CACHE_DIR"); d && *d) return d;
+  if (const char* d = std::getenv("XDG_CACHE_HOME"); d && *d) return fs::path(d) / "quilt";
+  if (const char* d = std::getenv("HOME"); d && *d) return fs::path(d) / ".cache" / "quilt";
+  return {};
+}
+
+// The three GEMMs of a linear layer in training, at 1024 tokens, hidden 512 and intermediate
+// 1376: forward x·Wᵀ (NT), dX = dY·W (NN), dW = dYᵀ·X (TN).
+struct Probe {
+  static constexpr int64_t t = 1024, h = 512, f = 1376;
+  std::vector<float> x = filled(t * h, 7), w = filled(f * h, 5), y = filled(t * f, 3), out = filled(f * h, 2);
+  static std::vector<float> filled(int64_t n, int mod) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = float(int(i % size_t(mod)) - mod / 2) * 0.25f;
+    return v;
+  }
+  static double flops() { return 3.0 * 2.0 * double(t * h * f); }
+  double seconds(Lib lib) {
+    GemmArgs fwd{.m = t, .n = f, .k = h, .trans_b = true, .lda = h, .ldb = h, .ldc = f};
+    GemmArgs dx{.m = t, .n = h, .k = f, .lda = f, .ldb = h, .ldc = h};
+    GemmArgs dw{.m = f, .n = h, .k = t, .trans_a = true, .lda = f, .ldb = h, .ldc = h};
+    const auto t0 = std::chrono::steady_clock::now();
+    sgemm(lib, fwd, x.data(), w.data(), y.data());
+    sgemm(lib, dx, y.data(), w.data(), x.data());
+    sgemm(lib, dw, y.data(), x.data(), out.data());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+std::string format_rates(const std::vector<std::pair<Lib, double>>& rates) {
+  std::ostringstream s;
+  for (size_t i = 0; i < rates.size(); ++i) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s%s %.0f", i ? ", " : "", kNames[int(rates[i].first)], rates[i].second);
+    s << buf;
+  }
+  return s.str();
+}
+
+// Every present library, in interleaved rounds (a burst of load from elsewhere then slows all
+// of them alike), each scored by its best round.
+Choice measure_all() {
+  std::vector<std::pair<Lib, double>> rates;
+  for (int i = 0; i < kNumLibs; ++i)
+    if (present(Lib(i))) rates.emplace_back(Lib(i), 0.0);
+  Probe probe;
+  for (auto& [lib, rate] : rates) probe.seconds(lib);  // warm: threads started, code paged in
+  for (int round = 0; round < 3; ++round)
+    for (auto& [lib, rate] : rates) rate = std::max(rate, Probe::flops() / probe.seconds(lib) * 1e-9);
+  std::stable_sort(rates.begin(), rates.end(), [](auto& a, auto& b) { return a.second > b.second; });
+  return {rates.front().first, format_rates(rates) + " GFLOP/s"};
+}
+
+Lib parse(const std::string& name, const char* what) {
+  for (int i = 0; i < kNumLibs; ++i) {
+    if (name != kNames[i]) continue;
+    if (!present(Lib(i)))
+      throw std::runtime_error(std::string(what) + "=" + name + ": " + name + " is not installed (Debian package " +
+                               kPackages[i] + "); present: " + [] {
+                                 std::string p;
+                                 for (int j = 0; j < kNumLibs; ++j)
+                                   if (present(Lib(j))) p += std::string(p.empty() ? "" : ", ") + kNames[j];
+                                 return p;
+                               }());
+    return Lib(i);
+  }
+  throw std::runtime_error(std::string(what) + "=" + name +
+                           ": unknown GEMM library (one of: eigen, openblas, blis, onednn)");
+}
+
+Choice choose_impl(bool remeasure) {
+  if (const char* v = std::getenv("QUILT_GEMM"); v && *v) return {parse(v, "QUILT_GEMM"), std::string("QUILT_GEMM=") + v};
+  int n_present = 0;
+  for (int i = 0; i < kNumLibs; ++i) n_present += present(Lib(i));
+  if (n_present == 1) return {Lib::eigen, "the only GEMM library present"};
+
+  std::string key = cpu_signature() + "\nthreads " + std::to_string(omp_get_max_threads());
+  for (int i = 0; i < kNumLibs; ++i)
+    if (present(Lib(i))) key += std::string(" ") + kNames[i];
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
+  const fs::path dir = cache_dir();
+  if (dir.empty()) {
+    Choice c = measure_all();
+    c.reason = "fastest measured now: " + c.reason + " (no cache directory: HOME unset)";
+    return c;
+  }
+  const fs::path file = dir / (std::string("gemm-") + hex + ".txt");
+  auto read_cached = [&](Choice& out) {
+    std::ifstream in(file);
+    std::string name, rates;
+    if (!std::getline(in, name) || !std::getline(in, rates)) return false;
+    for (int i = 0; i < kNumLibs; ++i)
+      if (name == kNames[i] && present(Lib(i))) {
+        out = {Lib(i), "fastest measured on this CPU: " + rates + " (cached in " + file.string() + ")"};
+        return true;
+      }
+    return false;
+  };
+  Choice c;
+  if (!remeasure && read_cached(c)) return c;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  // Ranks that start together: one measures, the others wait for its file.
+  const int lock = ::open((file.string() + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+  if (lock >= 0) ::flock(lock, LOCK_EX);
+  if (remeasure || !read_cached(c)) {
+    c = measure_all();
+    const std::string rates = c.reason;
+    const fs::path tmp = file.string() + ".tmp" + std::to_string(::getpid());
+    bool saved = false;
+    {
+      std::ofstream out(tmp);
+      out << kNames[int(c.lib)] << "\n" << rates << "\n";
+      saved = bool(out.flush());
+    }
+    if (saved) fs::rename(tmp, file, ec);
+    saved = saved && !ec;
+    if (!saved) fs::remove(tmp, ec);
+    c.reason = "fastest measured on this CPU: " + rates +
+               (saved ? " (cached in " + file.string() + ")" : " (cache not writable: " + dir.string() + ")");
+  }
+  if (lock >= 0) {
+    ::flock(lock, LOCK_UN);
+    ::close(lock);
+  }
+  return c;
+}
+
+std::once_flag g_chosen;
+std::atomic<int> g_active{0};
+std::string g_reason;  // written once under g_chosen, or by set_active
+std::mutex g_reason_mu;
+
+void ensure_chosen() {
+  std::call_once(g_chosen, [] {
+    Choice c = choose_impl(false);
+    std::lock_guard<std::mutex> lock(g_reason_mu);
+    g_reason = c.reason + (bf16_native() ? "; bf16: native (oneDNN)" : "; bf16: widened to f32");
+    g_active.store(int(c.lib));
+  });
+}
+
+}  // namespace
+
+Choice choose(bool remeasure) { return choose_impl(remeasure); }
+
+const char* lib_name(Lib lib) { return kNames[int(lib)]; }
+
+bool present(Lib lib) {
+  if (lib == Lib::eigen) return true;
+  const Loaded& l = libs()[int(lib)];
+  return l.handle != nullptr;
+}
+
+Lib active() {
+  ensure_chosen();
+  return Lib(g_active.load(std::memory_order_relaxed));
+}
+
+void set_active(Lib lib) {
+  ensure_chosen();
+  if (!present(lib)) (void)parse(lib_name(lib), "set_gemm_backend");  // throws naming the package
+  std::lock_guard<std::mutex> lock(g_reason_mu);
+  g_active.store(int(lib));
+  g_reason = "set by the program";
+}
+
+std::string reason() {
+  ensure_chosen();
+  std::lock_guard<std::mutex> lock(g_reason_mu);
+  return g_reason;
+}
+
+bool sgemm(Lib lib, const GemmArgs& g, const float* a, const float* b, float* c) {
+  const Loaded& l = libs()[int(lib)];
+  switch (lib) {
+    case Lib::eigen:
+      eigen_gemm_t<float>(g, a, b, c);
+      return true;
+    case Lib::openblas:
+    case Lib::blis:
+      if (!l.cblas_s || !fits_int(g)) return false;
+      sync_threads();
+      l.cblas_s(kRowMajor, g.trans_a ? kTrans : kNoTrans, g.trans_b ? kTrans : kNoTrans, int(g.m), int(g.n),
+                int(g.k), g.alpha, a, int(g.lda), b, int(g.ldb), g.beta, c, int(g.ldc));
+      return true;
+    case Lib::onednn:
+      if (!l.dnnl_s) return false;
+      return l.dnnl_s(g.trans_a ? 'T' : 'N', g.trans_b ? 'T' : 'N', g.m, g.n, g.k, g.alpha, a, g.lda, b, g.ldb,
+                      g.beta, c, g.ldc) == 0;
+  }
+  return false;
+}
+
+bool dgemm(Lib lib, const GemmArgs& g, const double* a, const double* b, double* c) {
+  const Loaded& l = libs()[int(lib)];
+  if (lib == Lib::eigen) {
+    eigen_gemm_t<double>(g, a, b, c);
+    return true;
+  }
+  if (!l.cblas_d || !fits_int(g)) return false;
+  sync_threads();
+  l.cblas_d(kRowMajor, g.trans_a ? kTrans : kNoTrans, g.trans_b ? kTrans : kNoTrans, int(g.m), int(g.n), int(g.k),
+            double(g.alpha), a, int(g.lda), b, int(g.ldb), double(g.beta), c, int(g.ldc));
+  return true;
+}
+
+bool gemm_bf16_f32(Lib lib, const GemmArgs& g, const uint16_t* a, const uint16_t* b, float* c) {
+  if (!native_bf16(lib)) return false;
+  return libs()[int(lib)].dnnl_bf16(g.trans_a ? 'T' : 'N', g.trans_b ? 'T' : 'N', g.m, g.n, g.k, g.alpha, a,
+                                    g.lda, b, g.ldb, g.beta, c, g.ldc) == 0;
+}
+
+bool native_bf16(Lib lib) {
+  Loaded& l = libs()[int(lib)];
+  if (!l.dnnl_bf16) return false;
+  static std::once_flag probed;
+  std::call_once(probed, [&] {
+    // oneDNN answers "unimplemented" on CPUs without AVX-512 (bf16 would be emulated at best).
+    const uint16_t one = 0x3f80;
+    float out = 0.0f;
+    const int st = l.dnnl_bf16('N', 'N', 1, 1, 1, 1.0f, &one, 1, &one, 1, 0.0f, &out, 1);
+    l.native_bf16 = (st == 0 && out == 1.0f) ? 1 : 0;
+  });
+  return l.native_bf16 == 1;
+}
+
+bool bf16_native() {
+  static const bool native = [] {
+    const std::string cpu = cpu_signature();
+    const bool isa = cpu.find(" avx512_bf16") != std::string::npos || cpu.find(" amx_bf16") != std::string::npos;
+    const char* forced = std::getenv("QUILT_GEMM");
+    const bool allowed = !forced || !*forced || std::string(forced) == "onednn";
+    return isa && allowed && native_bf16(Lib::onednn);
+  }();
+  return native;
+}
+
+void set_threads(int n) {
+  (void)n;
+  g_lib_threads.store(-1);  // the next call re-reads OpenMP's count
+  sync_threads();
+}
+
+}  // namespace quilt::kernels::cpu::gemm_libs

@@ -1,0 +1,65 @@
+// Internal to kernels/cpu: the GEMM libraries a process can use and the choice among them.
+//
+// Eigen is compiled in. OpenBLAS (its OpenMP build), BLIS (its OpenMP build) and oneDNN are
+// opened at run time from the Debian packages' own paths (libopenblas-openmp-dev,
+// libblis-openmp-dev, libdnnl-dev), each with RTLD_LOCAL, so the three coexist in one process
+// (OpenBLAS and BLIS both define cblas_sgemm) and all of them share libgomp's one thread pool
+// with the engine's own kernels. A library that is not installed is simply absent.
+//
+// The active library is chosen once, on the first GEMM: QUILT_GEMM=name forces it; otherwise
+// a short measurement of every present library at the shapes a training step runs (tokens x
+// hidden, with the transposes of the forward and of both backward GEMMs) picks the fastest.
+// The result is kept in a cache file keyed by the CPU model, its flags, the thread count and the
+// libraries present, so later processes on the machine (every rank of a job, every test) make
+// the same choice without measuring; ranks that start together measure once, under a lock.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/loop.h"
+
+namespace quilt::kernels::cpu::gemm_libs {
+
+enum class Lib : int { eigen = 0, openblas = 1, blis = 2, onednn = 3 };
+inline constexpr int kNumLibs = 4;
+
+/// "eigen", "openblas", "blis", "onednn".
+const char* lib_name(Lib lib);
+/// Whether the library was found and loaded (Eigen always is).
+bool present(Lib lib);
+/// The active library for f32/f64 (chosen on first call).
+Lib active();
+/// Forces `lib` (tests and benchmarks compare them; QUILT_GEMM does the same at start).
+void set_active(Lib lib);
+/// How the active library was chosen, for the startup log.
+std::string reason();
+
+struct Choice {
+  Lib lib = Lib::eigen;
+  std::string reason;
+};
+/// The choice as the first GEMM makes it, without applying it: QUILT_GEMM, else the cache
+/// file, else a measurement that is then cached. `remeasure` ignores (and rewrites) the cache.
+/// Throws naming the variable and the package when QUILT_GEMM names an absent library.
+Choice choose(bool remeasure = false);
+
+/// One row-major f32 GEMM through `lib`: C = alpha op(A) op(B) + beta C, C never read when
+/// beta is 0. Returns false when the library cannot take it (then the caller uses Eigen).
+bool sgemm(Lib lib, const GemmArgs& g, const float* a, const float* b, float* c);
+/// The same in f64 (OpenBLAS and BLIS; oneDNN has none).
+bool dgemm(Lib lib, const GemmArgs& g, const double* a, const double* b, double* c);
+/// bf16 operands, f32 accumulate and f32 output, natively (oneDNN on CPUs with AVX512-BF16/AMX;
+/// false elsewhere).
+bool gemm_bf16_f32(Lib lib, const GemmArgs& g, const uint16_t* a, const uint16_t* b, float* c);
+/// Whether `lib` multiplies bf16 natively on this CPU (probed once).
+bool native_bf16(Lib lib);
+/// Whether bf16 GEMMs go to oneDNN's native kernel: the CPU has avx512_bf16 or amx_bf16,
+/// oneDNN is present and answers, and QUILT_GEMM does not force another library.
+bool bf16_native();
+
+/// Makes the libraries' own thread counts follow the engine's (OpenMP's) setting.
+void set_threads(int n);
+
+}  // namespace quilt::kernels::cpu::gemm_libs

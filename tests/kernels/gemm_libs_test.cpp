@@ -1,0 +1,227 @@
+// Every GEMM library present, through the engine's GEMM kernel: each transpose mode, strided
+// operands, alpha and beta, empty sizes, batches, bf16/f16 (widened in row panels, several
+// panels deep) against a float64 reference; and the choice: QUILT_GEMM, its errors, the cache.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <unistd.h>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/gemm_libs.h"
+#include "kernels/cpu/matmul.h"
+
+using namespace quilt;
+using namespace quilt::kernels;
+namespace gl = quilt::kernels::cpu::gemm_libs;
+
+namespace {
+
+struct Case {
+  int64_t m, n, k;
+  bool ta, tb;
+  int64_t pad;  // extra columns in every leading dimension
+  float alpha, beta;
+};
+
+std::vector<double> random_values(int64_t n, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (double& x : v) x = u(g);
+  return v;
+}
+
+// C = alpha op(A) op(B) + beta C in float64, from the values the kernel saw.
+std::vector<double> reference(const Case& c, const std::vector<double>& a, int64_t lda, const std::vector<double>& b,
+                              int64_t ldb, const std::vector<double>& c0, int64_t ldc) {
+  std::vector<double> out(c0);
+  for (int64_t i = 0; i < c.m; ++i)
+    for (int64_t j = 0; j < c.n; ++j) {
+      double s = 0;
+      for (int64_t p = 0; p < c.k; ++p)
+        s += (c.ta ? a[p * lda + i] : a[i * lda + p]) * (c.tb ? b[j * ldb + p] : b[p * ldb + j]);
+      out[i * ldc + j] = c.alpha * s + (c.beta == 0.0f ? 0.0 : c.beta * c0[i * ldc + j]);
+    }
+  return out;
+}
+
+template <class T>
+double as_double(T x) {
+  if constexpr (std::is_same_v<T, double>) return x;
+  else return double(float(x));
+}
+
+// Runs one case in dtype T (float, double, BFloat16, Half) and returns the largest error
+// relative to the reference's scale (sqrt(k) for sums of k unit-size products).
+template <class T>
+double max_error(const Case& c, DType dt) {
+  const int64_t ar = c.ta ? c.k : c.m, ac = (c.ta ? c.m : c.k) + c.pad;
+  const int64_t br = c.tb ? c.n : c.k, bc = (c.tb ? c.k : c.n) + c.pad;
+  const int64_t ldc = c.n + c.pad;
+  auto av = random_values(ar * ac, 1), bv = random_values(br * bc, 2), cv = random_values(c.m * ldc, 3);
+  // Round the inputs to T first, so the reference sees exactly what the kernel sees.
+  std::vector<T> A(av.size()), B(bv.size()), C(cv.size());
+  for (size_t i = 0; i < av.size(); ++i) av[i] = as_double(A[i] = T(float(av[i])));
+  for (size_t i = 0; i < bv.size(); ++i) bv[i] = as_double(B[i] = T(float(bv[i])));
+  for (size_t i = 0; i < cv.size(); ++i) cv[i] = as_double(C[i] = T(float(cv[i])));
+  const auto want = reference(c, av, ac, bv, bc, cv, ldc);
+  GemmArgs g{.m = c.m, .n = c.n, .k = c.k, .trans_a = c.ta, .trans_b = c.tb, .a = A.data(), .lda = ac,
+             .b = B.data(), .ldb = bc, .c = C.data(), .ldc = ldc, .alpha = c.alpha, .beta = c.beta};
+  cpu::gemm(dt, g);
+  double err = 0;
+  const double scale = std::sqrt(double(std::max<int64_t>(c.k, 1))) + 1.0;
+  for (int64_t i = 0; i < c.m; ++i)
+    for (int64_t j = 0; j < ldc; ++j) {
+      const double got = as_double(C[size_t(i * ldc + j)]);
+      if (j >= c.n) {  // the padding columns of C are never written
+        if (got != cv[size_t(i * ldc + j)]) return 1e30;
+        continue;
+      }
+      err = std::max(err, std::abs(got - want[size_t(i * ldc + j)]) / scale);
+    }
+  return err;
+}
+
+const std::vector<Case> kCases = {
+    {37, 29, 53, false, false, 0, 1.0f, 0.0f},  {37, 29, 53, true, false, 3, 1.0f, 0.0f},
+    {37, 29, 53, false, true, 5, 0.5f, 0.0f},   {37, 29, 53, true, true, 2, 1.0f, 1.0f},
+    {64, 300, 128, false, true, 0, 2.0f, 0.5f}, {300, 64, 200, true, false, 1, 1.0f, -1.0f},
+    {1, 1, 1, false, false, 0, 1.0f, 0.0f},     {5, 7, 0, false, false, 1, 1.0f, 0.5f},  // k = 0: C = beta C
+    {0, 7, 9, false, false, 0, 1.0f, 0.0f},
+};
+
+struct ScopedLib {
+  std::string before = cpu::gemm_backend();
+  explicit ScopedLib(const std::string& lib) { cpu::set_gemm_backend(lib); }
+  ~ScopedLib() { cpu::set_gemm_backend(before); }
+};
+
+struct ScopedEnv {
+  std::string name;
+  std::string old;
+  bool had;
+  ScopedEnv(const char* n, const std::string& value) : name(n) {
+    const char* v = std::getenv(n);
+    had = v != nullptr;
+    if (had) old = v;
+    if (value.empty()) unsetenv(n);
+    else setenv(n, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (had) setenv(name.c_str(), old.c_str(), 1);
+    else unsetenv(name.c_str());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("gemm libraries: every one present matches float64 in f32, f64, bf16 and f16") {
+  const auto libs = cpu::gemm_backends();
+  REQUIRE(!libs.empty());
+  CHECK(libs.front() == "eigen");
+  for (const std::string& lib : libs) {
+    ScopedLib use(lib);
+    CHECK(std::string(cpu::gemm_backend()) == lib);
+    for (const Case& c : kCases) {
+      CAPTURE(lib);
+      CAPTURE(c.m);
+      CAPTURE(c.n);
+      CAPTURE(c.k);
+      CAPTURE(c.ta);
+      CAPTURE(c.tb);
+      CHECK(max_error<float>(c, DType::f32) < 1e-5);
+      CHECK(max_error<double>(c, DType::f64) < 1e-13);
+      CHECK(max_error<BFloat16>(c, DType::bf16) < 2e-2);
+      CHECK(max_error<Half>(c, DType::f16) < 3e-3);
+    }
+  }
+}
+
+TEST_CASE("gemm libraries: 16-bit GEMMs larger than one row panel, and batches") {
+  // n = 40000 makes the panel 256 rows, so m = 600 runs three panels (the last one partial).
+  for (const std::string& lib : cpu::gemm_backends()) {
+    ScopedLib use(lib);
+    CAPTURE(lib);
+    CHECK(max_error<BFloat16>({600, 40000, 3, false, false, 0, 1.0f, 0.0f}, DType::bf16) < 2e-2);
+    CHECK(max_error<BFloat16>({600, 40000, 3, true, true, 1, 1.0f, 1.0f}, DType::bf16) < 2e-2);
+    CHECK(max_error<Half>({520, 40000, 2, true, false, 0, 1.0f, 0.25f}, DType::f16) < 3e-3);
+  }
+  // Batches (small ones run in parallel over the batch, large ones one after another).
+  for (int64_t m : {8, 300}) {
+    const int64_t batch = 5, n = m + 3, k = 2 * m;
+    auto a = random_values(batch * m * k, 4), b = random_values(batch * k * n, 5);
+    std::vector<float> A(a.begin(), a.end()), B(b.begin(), b.end()), C(size_t(batch * m * n));
+    std::vector<int64_t> ao, bo, co;
+    for (int64_t i = 0; i < batch; ++i) ao.push_back(i * m * k), bo.push_back(i * k * n), co.push_back(i * m * n);
+    GemmArgs g{.m = m, .n = n, .k = k, .a = A.data(), .lda = k, .b = B.data(), .ldb = n, .c = C.data(), .ldc = n,
+               .batch = batch, .a_offsets = ao.data(), .b_offsets = bo.data(), .c_offsets = co.data()};
+    cpu::gemm(DType::f32, g);
+    double err = 0;
+    for (int64_t bi = 0; bi < batch; ++bi)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double s = 0;
+          for (int64_t p = 0; p < k; ++p) s += double(A[size_t(ao[bi] + i * k + p)]) * double(B[size_t(bo[bi] + p * n + j)]);
+          err = std::max(err, std::abs(s - double(C[size_t(co[bi] + i * n + j)])));
+        }
+    CHECK(err < 1e-4);
+  }
+}
+
+TEST_CASE("gemm libraries: the choice honours QUILT_GEMM and names what is wrong") {
+  {
+    ScopedEnv env("QUILT_GEMM", "eigen");
+    const auto c = gl::choose();
+    CHECK(c.lib == gl::Lib::eigen);
+    CHECK(c.reason == "QUILT_GEMM=eigen");
+  }
+  {
+    ScopedEnv env("QUILT_GEMM", "cublas");
+    CHECK_THROWS_WITH(gl::choose(),
+                      doctest::Contains("QUILT_GEMM=cublas: unknown GEMM library (one of: eigen, openblas, blis, onednn)"));
+  }
+  for (int i = 1; i < gl::kNumLibs; ++i) {
+    if (gl::present(gl::Lib(i))) continue;  // an absent library must be refused naming its package
+    ScopedEnv env("QUILT_GEMM", gl::lib_name(gl::Lib(i)));
+    CHECK_THROWS_WITH(gl::choose(), doctest::Contains("is not installed (Debian package"));
+  }
+  CHECK_THROWS_WITH(cpu::set_gemm_backend("mkl"), doctest::Contains("unknown GEMM library 'mkl'"));
+}
+
+TEST_CASE("gemm libraries: a measured choice is cached per CPU and read back") {
+  namespace fs = std::filesystem;
+  if (cpu::gemm_backends().size() < 2) {
+    MESSAGE("only Eigen is present: nothing to choose between");
+    CHECK(gl::choose().reason == "the only GEMM library present");
+    return;
+  }
+  const fs::path dir = fs::temp_directory_path() / ("quilt-gemm-cache-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  ScopedEnv gemm("QUILT_GEMM", "");
+  ScopedEnv cache("QUILT_CACHE_DIR", dir.string());
+  const auto first = gl::choose();
+  CHECK(first.reason.find("fastest measured on this CPU: ") == 0);
+  CHECK(first.reason.find("GFLOP/s") != std::string::npos);
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".txt") files.push_back(e.path());
+  REQUIRE(files.size() == 1);
+  std::string name;
+  std::ifstream(files[0]) >> name;
+  CHECK(name == gl::lib_name(first.lib));
+  const auto second = gl::choose();
+  CHECK(second.lib == first.lib);
+  CHECK(second.reason.find("(cached in " + files[0].string() + ")") != std::string::npos);
+  // A cache file naming something unknown is measured over and rewritten.
+  std::ofstream(files[0]) << "nonsense\nnothing\n";
+  const auto third = gl::choose();
+  CHECK(third.reason.find("cached in") != std::string::npos);
+  std::ifstream(files[0]) >> name;
+  CHECK(name != "nonsense");
+  fs::remove_all(dir);
+}
