@@ -20,10 +20,13 @@ int gemm_info(const CommandArgs& a) {
   std::printf("\nthreads: %d\n", kernels::cpu::gemm_threads());
   if (a.has("--measure")) {
     const auto c = kernels::cpu::gemm_libs::choose(/*remeasure=*/true);
-    std::printf("gemm: %s (%s)\n", kernels::cpu::gemm_libs::lib_name(c.lib), c.reason.c_str());
+    std::printf("gemm:");
+    for (int mode = 0; mode < 4; ++mode)
+      std::printf(" %s%s=%s", mode & 2 ? "T" : "N", mode & 1 ? "T" : "N", kernels::cpu::gemm_libs::lib_name(c.by_mode[mode]));
+    std::printf(" (%s)\n", c.reason.c_str());
     return 0;
   }
-  std::printf("gemm: %s (%s)\n", kernels::cpu::gemm_backend(), kernels::cpu::gemm_backend_reason().c_str());
+  std::printf("gemm: %s (%s)\n", kernels::cpu::gemm_backend().c_str(), kernels::cpu::gemm_backend_reason().c_str());
   return 0;
 }
 

@@ -15,6 +15,7 @@
 
 #include "bench/engine/bench_util.h"
 #include "engine/engine.h"
+#include "kernels/cpu/gemm_libs.h"
 #include "kernels/cpu/matmul.h"
 
 using namespace quilt;
@@ -38,7 +39,8 @@ std::vector<Case> cases() {
   return s;
 }
 
-std::string g_default;                          // the library chosen for this machine
+std::string g_default[4];  // the library chosen for this machine, per transpose mode (2·ta + tb)
+std::map<std::string, int> g_mode;  // row -> its transpose mode
 std::map<std::string, std::map<std::string, double>> g_rates;  // "dtype/shape" -> lib -> GFLOP/s
 
 double flops(const Case& s) { return 2.0 * double(s.m) * double(s.n) * double(s.k); }
@@ -66,13 +68,15 @@ void run_library(benchmark::State& state, const std::string& lib, DType dt, Case
 }  // namespace
 
 int main(int argc, char** argv) {
-  g_default = kernels::cpu::gemm_backend();
+  for (int mode = 0; mode < 4; ++mode)
+    g_default[mode] = kernels::cpu::gemm_libs::lib_name(kernels::cpu::gemm_libs::active(mode & 2, mode & 1));
   std::printf("GEMM libraries present: ");
   for (const auto& l : kernels::cpu::gemm_backends()) std::printf("%s ", l.c_str());
-  std::printf("\ndefault: %s (%s)\n", g_default.c_str(), kernels::cpu::gemm_backend_reason().c_str());
+  std::printf("\ndefault: %s (%s)\n", kernels::cpu::gemm_backend().c_str(), kernels::cpu::gemm_backend_reason().c_str());
   for (DType dt : {DType::f32, DType::bf16})
     for (const Case& s : cases()) {
       const std::string row = std::string(dtype_name(dt)) + "/" + s.name();
+      g_mode[row] = 2 * int(s.ta) + int(s.tb);
       for (const std::string& lib : kernels::cpu::gemm_backends())
         benchmark::RegisterBenchmark(("gemm/" + row + "/" + lib).c_str(),
                                      [=](benchmark::State& st) { run_library(st, lib, dt, s); })
@@ -97,12 +101,12 @@ int main(int argc, char** argv) {
       std::printf(" %9.1f", it->second);
       if (best.empty() || it->second > rates.at(best)) best = l;
     }
-    auto d = rates.find(g_default);
+    auto d = rates.find(g_default[g_mode[row]]);
     if (d == rates.end()) { std::printf("\n"); continue; }
     const double ratio = d->second / rates.at(best);
     worst = std::min(worst, ratio);
-    std::printf("   %-9s %5.2f\n", best.c_str(), ratio);
+    std::printf("   %-9s %5.2f  (%s)\n", best.c_str(), ratio, g_default[g_mode[row]].c_str());
   }
-  if (worst < 1e30) std::printf("default (%s) / best library, worst shape: %.2f\n", g_default.c_str(), worst);
+  if (worst < 1e30) std::printf("default / best library, worst shape: %.2f\n", worst);
   return 0;
 }

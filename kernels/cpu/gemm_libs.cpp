@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -179,51 +180,66 @@ fs::path cache_dir() {
   return {};
 }
 
-// The three GEMMs of a linear layer in training, at 1024 tokens, hidden 512 and intermediate
-// 1376: forward x·Wᵀ (NT), dX = dY·W (NN), dW = dYᵀ·X (TN).
+// The GEMMs of a linear layer in training, at 1024 tokens, hidden 512 and intermediate 1376,
+// one per transpose mode: forward x·Wᵀ (NT), dX = dY·W (NN), dW = dYᵀ·X (TN), and TT alike.
 struct Probe {
   static constexpr int64_t t = 1024, h = 512, f = 1376;
-  std::vector<float> x = filled(t * h, 7), w = filled(f * h, 5), y = filled(t * f, 3), out = filled(f * h, 2);
+  std::vector<float> a = filled(t * f, 7), b = filled(f * h, 5), c = filled(t * f, 3);
   static std::vector<float> filled(int64_t n, int mod) {
     std::vector<float> v(static_cast<size_t>(n));
     for (size_t i = 0; i < v.size(); ++i) v[i] = float(int(i % size_t(mod)) - mod / 2) * 0.25f;
     return v;
   }
-  static double flops() { return 3.0 * 2.0 * double(t * h * f); }
-  double seconds(Lib lib) {
-    GemmArgs fwd{.m = t, .n = f, .k = h, .trans_b = true, .lda = h, .ldb = h, .ldc = f};
-    GemmArgs dx{.m = t, .n = h, .k = f, .lda = f, .ldb = h, .ldc = h};
-    GemmArgs dw{.m = f, .n = h, .k = t, .trans_a = true, .lda = f, .ldb = h, .ldc = h};
+  static double flops() { return 2.0 * double(t * h * f); }
+  // mode = 2·trans_a + trans_b
+  double seconds(Lib lib, int mode) {
+    GemmArgs g;
+    switch (mode) {
+      case 0: g = {.m = t, .n = h, .k = f, .lda = f, .ldb = h, .ldc = h}; break;                     // dX
+      case 1: g = {.m = t, .n = f, .k = h, .trans_b = true, .lda = h, .ldb = h, .ldc = f}; break;    // forward
+      case 2: g = {.m = f, .n = h, .k = t, .trans_a = true, .lda = f, .ldb = h, .ldc = h}; break;    // dW
+      default: g = {.m = h, .n = f, .k = t, .trans_a = true, .trans_b = true, .lda = h, .ldb = t, .ldc = f};
+    }
     const auto t0 = std::chrono::steady_clock::now();
-    sgemm(lib, fwd, x.data(), w.data(), y.data());
-    sgemm(lib, dx, y.data(), w.data(), x.data());
-    sgemm(lib, dw, y.data(), x.data(), out.data());
+    sgemm(lib, g, a.data(), b.data(), c.data());
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 };
 
-std::string format_rates(const std::vector<std::pair<Lib, double>>& rates) {
-  std::ostringstream s;
-  for (size_t i = 0; i < rates.size(); ++i) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%s%s %.0f", i ? ", " : "", kNames[int(rates[i].first)], rates[i].second);
-    s << buf;
-  }
-  return s.str();
-}
+const char* const kModes[4] = {"NN", "NT", "TN", "TT"};
 
-// Every present library, in interleaved rounds (a burst of load from elsewhere then slows all
-// of them alike), each scored by its best round.
+// Every present library in every transpose mode, in interleaved rounds (a burst of load from
+// elsewhere then slows all of them alike), each scored by its best round; per mode the fastest.
 Choice measure_all() {
-  std::vector<std::pair<Lib, double>> rates;
+  std::vector<Lib> present_libs;
   for (int i = 0; i < kNumLibs; ++i)
-    if (present(Lib(i))) rates.emplace_back(Lib(i), 0.0);
+    if (present(Lib(i))) present_libs.push_back(Lib(i));
+  std::vector<std::array<double, 4>> rate(present_libs.size(), std::array<double, 4>{});
   Probe probe;
-  for (auto& [lib, rate] : rates) probe.seconds(lib);  // warm: threads started, code paged in
+  for (Lib lib : present_libs)
+    for (int mode = 0; mode < 4; ++mode) probe.seconds(lib, mode);  // warm: threads started, code paged in
   for (int round = 0; round < 3; ++round)
-    for (auto& [lib, rate] : rates) rate = std::max(rate, Probe::flops() / probe.seconds(lib) * 1e-9);
-  std::stable_sort(rates.begin(), rates.end(), [](auto& a, auto& b) { return a.second > b.second; });
-  return {rates.front().first, format_rates(rates) + " GFLOP/s"};
+    for (int mode = 0; mode < 4; ++mode)
+      for (size_t i = 0; i < present_libs.size(); ++i)
+        rate[i][size_t(mode)] =
+            std::max(rate[i][size_t(mode)], Probe::flops() / probe.seconds(present_libs[i], mode) * 1e-9);
+  Choice c;
+  std::ostringstream why;
+  for (int mode = 0; mode < 4; ++mode) {
+    std::vector<size_t> order(present_libs.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t x, size_t y) { return rate[x][size_t(mode)] > rate[y][size_t(mode)]; });
+    c.by_mode[mode] = present_libs[order.front()];
+    why << (mode ? "; " : "") << kModes[mode];
+    for (size_t i : order) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " %s %.0f", kNames[int(present_libs[i])], rate[i][size_t(mode)]);
+      why << buf;
+    }
+  }
+  c.reason = why.str() + " GFLOP/s";
+  return c;
 }
 
 Lib parse(const std::string& name, const char* what) {
@@ -244,10 +260,10 @@ Lib parse(const std::string& name, const char* what) {
 }
 
 Choice choose_impl(bool remeasure) {
-  if (const char* v = std::getenv("QUILT_GEMM"); v && *v) return {parse(v, "QUILT_GEMM"), std::string("QUILT_GEMM=") + v};
+  if (const char* v = std::getenv("QUILT_GEMM"); v && *v) return Choice::all(parse(v, "QUILT_GEMM"), std::string("QUILT_GEMM=") + v);
   int n_present = 0;
   for (int i = 0; i < kNumLibs; ++i) n_present += present(Lib(i));
-  if (n_present == 1) return {Lib::eigen, "the only GEMM library present"};
+  if (n_present == 1) return Choice::all(Lib::eigen, "the only GEMM library present");
 
   std::string key = cpu_signature() + "\nthreads " + std::to_string(omp_get_max_threads());
   for (int i = 0; i < kNumLibs; ++i)
@@ -263,14 +279,22 @@ Choice choose_impl(bool remeasure) {
   const fs::path file = dir / (std::string("gemm-") + hex + ".txt");
   auto read_cached = [&](Choice& out) {
     std::ifstream in(file);
-    std::string name, rates;
-    if (!std::getline(in, name) || !std::getline(in, rates)) return false;
-    for (int i = 0; i < kNumLibs; ++i)
-      if (name == kNames[i] && present(Lib(i))) {
-        out = {Lib(i), "fastest measured on this CPU: " + rates + " (cached in " + file.string() + ")"};
-        return true;
-      }
-    return false;
+    std::string names, rates;
+    if (!std::getline(in, names) || !std::getline(in, rates)) return false;
+    std::istringstream words(names);
+    Choice read;
+    for (int mode = 0; mode < 4; ++mode) {
+      std::string name;
+      if (!(words >> name)) return false;
+      int found = -1;
+      for (int i = 0; i < kNumLibs; ++i)
+        if (name == kNames[i] && present(Lib(i))) found = i;
+      if (found < 0) return false;
+      read.by_mode[mode] = Lib(found);
+    }
+    read.reason = "fastest measured on this CPU: " + rates + " (cached in " + file.string() + ")";
+    out = read;
+    return true;
   };
   Choice c;
   if (!remeasure && read_cached(c)) return c;
@@ -286,7 +310,8 @@ Choice choose_impl(bool remeasure) {
     bool saved = false;
     {
       std::ofstream out(tmp);
-      out << kNames[int(c.lib)] << "\n" << rates << "\n";
+      for (int mode = 0; mode < 4; ++mode) out << kNames[int(c.by_mode[mode])] << (mode < 3 ? " " : "\n");
+      out << rates << "\n";
       saved = bool(out.flush());
     }
     if (saved) fs::rename(tmp, file, ec);
@@ -303,7 +328,7 @@ Choice choose_impl(bool remeasure) {
 }
 
 std::once_flag g_chosen;
-std::atomic<int> g_active{0};
+std::atomic<int> g_active[4] = {0, 0, 0, 0};  // per transpose mode
 std::string g_reason;  // written once under g_chosen, or by set_active
 std::mutex g_reason_mu;
 
@@ -312,7 +337,7 @@ void ensure_chosen() {
     Choice c = choose_impl(false);
     std::lock_guard<std::mutex> lock(g_reason_mu);
     g_reason = c.reason + (bf16_native() ? "; bf16: native (oneDNN)" : "; bf16: widened to f32");
-    g_active.store(int(c.lib));
+    for (int mode = 0; mode < 4; ++mode) g_active[mode].store(int(c.by_mode[mode]));
   });
 }
 
@@ -328,16 +353,24 @@ bool present(Lib lib) {
   return l.handle != nullptr;
 }
 
-Lib active() {
+Lib active(bool trans_a, bool trans_b) {
   ensure_chosen();
-  return Lib(g_active.load(std::memory_order_relaxed));
+  return Lib(g_active[2 * int(trans_a) + int(trans_b)].load(std::memory_order_relaxed));
 }
 
 void set_active(Lib lib) {
   ensure_chosen();
   if (!present(lib)) (void)parse(lib_name(lib), "set_gemm_backend");  // throws naming the package
   std::lock_guard<std::mutex> lock(g_reason_mu);
-  g_active.store(int(lib));
+  for (auto& m : g_active) m.store(int(lib));
+  g_reason = "set by the program";
+}
+
+void set_active(Lib lib, int mode) {
+  ensure_chosen();
+  if (!present(lib)) (void)parse(lib_name(lib), "set_gemm_backend");
+  std::lock_guard<std::mutex> lock(g_reason_mu);
+  g_active[mode & 3].store(int(lib));
   g_reason = "set by the program";
 }
 

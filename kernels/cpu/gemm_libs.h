@@ -8,7 +8,8 @@
 //
 // The active library is chosen once, on the first GEMM: QUILT_GEMM=name forces it; otherwise
 // a short measurement of every present library at the shapes a training step runs (tokens x
-// hidden, with the transposes of the forward and of both backward GEMMs) picks the fastest.
+// hidden, with the transposes of the forward and of both backward GEMMs) picks the fastest in
+// each transpose mode (no library wins every mode on every CPU).
 // The result is kept in a cache file keyed by the CPU model, its flags, the thread count and the
 // libraries present, so later processes on the machine (every rank of a job, every test) make
 // the same choice without measuring; ranks that start together measure once, under a lock.
@@ -29,16 +30,19 @@ inline constexpr int kNumLibs = 4;
 const char* lib_name(Lib lib);
 /// Whether the library was found and loaded (Eigen always is).
 bool present(Lib lib);
-/// The active library for f32/f64 (chosen on first call).
-Lib active();
-/// Forces `lib` (tests and benchmarks compare them; QUILT_GEMM does the same at start).
+/// The library for f32/f64 GEMMs in one transpose mode (chosen on first call).
+Lib active(bool trans_a, bool trans_b);
+/// Forces `lib` in every mode (tests and benchmarks compare them; QUILT_GEMM does the same at start).
 void set_active(Lib lib);
+/// Forces `lib` in one transpose mode (2·trans_a + trans_b).
+void set_active(Lib lib, int mode);
 /// How the active library was chosen, for the startup log.
 std::string reason();
 
 struct Choice {
-  Lib lib = Lib::eigen;
+  Lib by_mode[4] = {Lib::eigen, Lib::eigen, Lib::eigen, Lib::eigen};  // index 2·trans_a + trans_b
   std::string reason;
+  static Choice all(Lib lib, std::string why) { return {{lib, lib, lib, lib}, std::move(why)}; }
 };
 /// The choice as the first GEMM makes it, without applying it: QUILT_GEMM, else the cache
 /// file, else a measurement that is then cached. `remeasure` ignores (and rewrites) the cache.

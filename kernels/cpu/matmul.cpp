@@ -53,7 +53,7 @@ void gemm_batched(const GemmArgs& g) {
     });
     return;
   }
-  const Lib lib = gemm_libs::active();
+  const Lib lib = gemm_libs::active(g.trans_a, g.trans_b);
   for (int64_t i = 0; i < g.batch; ++i)
     gemm_one<T>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), lib);
 }
@@ -150,7 +150,7 @@ void gemm_half(const GemmArgs& g) {
     });
     return;
   }
-  const Lib lib = gemm_libs::active();
+  const Lib lib = gemm_libs::active(g.trans_a, g.trans_b);
   const bool native = std::is_same_v<H, BFloat16> && gemm_libs::bf16_native();
   for (int64_t i = 0; i < g.batch; ++i)
     gemm_half_one<H>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), lib, native);
@@ -168,7 +168,18 @@ void gemm(DType dt, const GemmArgs& args) {
   }
 }
 
-const char* gemm_backend() { return gemm_libs::lib_name(gemm_libs::active()); }
+std::string gemm_backend() {
+  const Lib nn = gemm_libs::active(false, false);
+  std::string per_mode;
+  bool same = true;
+  for (int mode = 0; mode < 4; ++mode) {
+    const Lib lib = gemm_libs::active(mode & 2, mode & 1);
+    same = same && lib == nn;
+    per_mode += std::string(mode ? " " : "") + (mode & 2 ? "T" : "N") + (mode & 1 ? "T" : "N") + "=" +
+                gemm_libs::lib_name(lib);
+  }
+  return same ? gemm_libs::lib_name(nn) : per_mode;
+}
 
 std::string gemm_backend_reason() { return gemm_libs::reason(); }
 

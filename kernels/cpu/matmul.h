@@ -12,9 +12,10 @@ namespace quilt::kernels::cpu {
 
 /// Batched row-major GEMM (see GemmArgs).
 void gemm(DType dt, const GemmArgs& args);
-/// The library doing f32 GEMM in this process ("eigen", "openblas", "blis" or "onednn"); the
-/// first call makes the choice (QUILT_GEMM=name forces it).
-const char* gemm_backend();
+/// The library doing f32 GEMM in this process ("eigen", "openblas", "blis" or "onednn"), or
+/// one per transpose mode ("NN=blis NT=blis TN=onednn TT=blis") when they differ; the first
+/// call makes the choice (QUILT_GEMM=name forces one library).
+std::string gemm_backend();
 /// How it was chosen, for the startup log (the forcing variable, or the measured GFLOP/s).
 std::string gemm_backend_reason();
 /// The libraries this process can use, Eigen first.

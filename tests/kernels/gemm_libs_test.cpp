@@ -96,9 +96,12 @@ const std::vector<Case> kCases = {
 };
 
 struct ScopedLib {
-  std::string before = cpu::gemm_backend();
+  gl::Lib before[4] = {gl::active(false, false), gl::active(false, true), gl::active(true, false),
+                       gl::active(true, true)};
   explicit ScopedLib(const std::string& lib) { cpu::set_gemm_backend(lib); }
-  ~ScopedLib() { cpu::set_gemm_backend(before); }
+  ~ScopedLib() {
+    for (int mode = 0; mode < 4; ++mode) gl::set_active(before[mode], mode);
+  }
 };
 
 struct ScopedEnv {
@@ -177,7 +180,7 @@ TEST_CASE("gemm libraries: the choice honours QUILT_GEMM and names what is wrong
   {
     ScopedEnv env("QUILT_GEMM", "eigen");
     const auto c = gl::choose();
-    CHECK(c.lib == gl::Lib::eigen);
+    for (gl::Lib l : c.by_mode) CHECK(l == gl::Lib::eigen);
     CHECK(c.reason == "QUILT_GEMM=eigen");
   }
   {
@@ -207,15 +210,16 @@ TEST_CASE("gemm libraries: a measured choice is cached per CPU and read back") {
   const auto first = gl::choose();
   CHECK(first.reason.find("fastest measured on this CPU: ") == 0);
   CHECK(first.reason.find("GFLOP/s") != std::string::npos);
+  for (const char* mode : {"NN ", "; NT ", "; TN ", "; TT "}) CHECK(first.reason.find(mode) != std::string::npos);
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(dir))
     if (e.path().extension() == ".txt") files.push_back(e.path());
   REQUIRE(files.size() == 1);
   std::string name;
   std::ifstream(files[0]) >> name;
-  CHECK(name == gl::lib_name(first.lib));
+  CHECK(name == gl::lib_name(first.by_mode[0]));
   const auto second = gl::choose();
-  CHECK(second.lib == first.lib);
+  for (int mode = 0; mode < 4; ++mode) CHECK(second.by_mode[mode] == first.by_mode[mode]);
   CHECK(second.reason.find("(cached in " + files[0].string() + ")") != std::string::npos);
   // A cache file naming something unknown is measured over and rewritten.
   std::ofstream(files[0]) << "nonsense\nnothing\n";
