@@ -1,8 +1,6 @@
 // The GEMM libraries (see gemm_libs.h): loading, calling, measuring and choosing.
 #include "kernels/cpu/gemm_libs.h"
 
-#include <Eigen/Core>
-
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <omp.h>
@@ -23,6 +21,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "kernels/cpu/eigen_map.h"
 
 #ifndef QUILT_SYSTEM_LIBDIR
 #define QUILT_SYSTEM_LIBDIR "/usr/lib/x86_64-linux-gnu"
@@ -127,13 +127,6 @@ bool fits_int(const GemmArgs& g) {
     if (v > INT_MAX) return false;
   return true;
 }
-
-template <class T>
-using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using CMap = Eigen::Map<const RowMat<T>, 0, Eigen::OuterStride<>>;
-template <class T>
-using MMap = Eigen::Map<RowMat<T>, 0, Eigen::OuterStride<>>;
 
 template <class T>
 void eigen_gemm_t(const GemmArgs& g, const T* a, const T* b, T* c) {

@@ -8,8 +8,6 @@
 // counts. bf16/f16 tiles are widened into per-thread f32 scratch, multiplied and rounded once.
 #include "kernels/cpu/moe.h"
 
-#include <Eigen/Core>
-
 #include <omp.h>
 
 #include <algorithm>
@@ -17,17 +15,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/eigen_map.h"
 #include "kernels/cpu/parallel.h"
 
 namespace quilt::kernels::cpu {
 namespace {
-
-template <class T>
-using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using CMap = Eigen::Map<const RowMat<T>, 0, Eigen::OuterStride<>>;
-template <class T>
-using MMap = Eigen::Map<RowMat<T>, 0, Eigen::OuterStride<>>;
 
 // A strided matrix operand: element (i, j) at p[i * ld + j], or p[j * ld + i] when transposed.
 template <class T>
