@@ -6,6 +6,7 @@
 
 #include "engine/ops/binary.h"
 #include "engine/ops/creation.h"
+#include "engine/ops/dispatch.h"
 #include "engine/ops/matmul.h"
 #include "engine/ops/nn.h"
 #include "engine/ops/reduce.h"
@@ -15,15 +16,6 @@
 
 namespace quilt {
 namespace {
-
-// True when `s` broadcasts to exactly `target` (NumPy rules, never growing target).
-bool broadcasts_to(const Shape& s, const Shape& target) {
-  if (s.size() > target.size()) return false;
-  const size_t lead = target.size() - s.size();
-  for (size_t i = 0; i < s.size(); ++i)
-    if (s[i] != 1 && s[i] != target[lead + i]) return false;
-  return true;
-}
 
 // (T, S) bool: query i may see key j iff j <= i + (S - T), so the last query sees every key.
 Tensor causal_mask(int64_t t, int64_t s, Device device) {
@@ -57,7 +49,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   if (mask.defined()) {
     QUILT_CHECK(mask.dtype() == DType::b8, "[scaled_dot_product_attention] mask must be bool (true = attend), got ",
                 dtype_name(mask.dtype()));
-    QUILT_CHECK(broadcasts_to(mask.shape(), full), "[scaled_dot_product_attention] mask of shape ", mask.shape(),
+    QUILT_CHECK(ops::broadcasts_to(mask.shape(), full), "[scaled_dot_product_attention] mask of shape ", mask.shape(),
                 " does not broadcast to (B, Hq, T, S) = ", full);
   }
   const Device dev = common_device("scaled_dot_product_attention", {q, k, v, mask});

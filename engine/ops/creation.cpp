@@ -27,6 +27,15 @@ Shape broadcast_strides(const Tensor& t, const Shape& shape) {
   return st;
 }
 
+// True when `s` broadcasts to exactly `target` (NumPy rules, never growing target).
+bool broadcasts_to(const Shape& s, const Shape& target) {
+  if (s.size() > target.size()) return false;
+  const size_t lead = target.size() - s.size();
+  for (size_t i = 0; i < s.size(); ++i)
+    if (s[i] != 1 && s[i] != target[lead + i]) return false;
+  return true;
+}
+
 void* stream_handle(Device d) { return d.is_cuda() ? current_stream(d).handle : nullptr; }
 }  // namespace ops
 

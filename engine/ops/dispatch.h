@@ -13,6 +13,9 @@ namespace quilt::ops {
 /// t's strides viewed at `shape` (t broadcasts to it): 0 on broadcast dims.
 Shape broadcast_strides(const Tensor& t, const Shape& shape);
 
+/// True when shape `s` broadcasts to exactly `target` (NumPy rules, never growing target).
+bool broadcasts_to(const Shape& s, const Shape& target);
+
 /// A coalesced loop over `shape` with operands ts (each broadcastable to shape).
 template <int N>
 kernels::Loop<N> loop_over(const Shape& shape, const std::array<const Tensor*, N>& ts) {

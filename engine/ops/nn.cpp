@@ -44,15 +44,6 @@ void* stream_of(const Tensor& t) { return ops::stream_handle(t.device()); }
 
 bool is_index_dtype(DType d) { return d == DType::i32 || d == DType::i64; }
 
-// True when `s` broadcasts to exactly `target` (NumPy rules, never growing target).
-bool broadcasts_to(const Shape& s, const Shape& target) {
-  if (s.size() > target.size()) return false;
-  const size_t lead = target.size() - s.size();
-  for (size_t i = 0; i < s.size(); ++i)
-    if (s[i] != 1 && s[i] != target[lead + i]) return false;
-  return true;
-}
-
 // The fused CPU primitives take local (non-distributed) CPU tensors; distributed or device
 // tensors go through the composite forms, whose ops carry sharding rules and device kernels.
 bool fused_cpu(std::initializer_list<const Tensor*> ts) {
@@ -778,7 +769,7 @@ Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin) {
               " differ in shape");
   Shape half = x.shape();
   half.back() = d / 2;
-  QUILT_CHECK(cos.dim() >= 1 && broadcasts_to(cos.shape(), half) && cos.size(-1) == d / 2,
+  QUILT_CHECK(cos.dim() >= 1 && ops::broadcasts_to(cos.shape(), half) && cos.size(-1) == d / 2,
               "[rotary_embedding] tables of shape ", cos.shape(), " do not broadcast to ", half, " (x of shape ",
               x.shape(), ")");
   (void)common_device("rotary_embedding", {x, cos, sin});
