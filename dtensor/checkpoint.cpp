@@ -1,20 +1,36 @@
 // Sharded checkpoints (per-rank safetensors + index, committed by rename), resharding loads that
 // read only the needed blocks, and Hugging Face consolidated export/import (with per-expert
 // tensors mapped to grouped ones).
+//
+// Integrity. Every chunk's bytes carry an XXH3-64 checksum, computed on the rank that writes
+// the chunk and stored in the shard file's metadata and in the index. A rank verifies a chunk
+// the first time a load reads any block of it: it reads that chunk whole (once per load, so a
+// resharding load may read more than its block), hashes it and cuts its block from it; later
+// blocks of the same chunk are read alone. So every byte a rank uses was verified, with one
+// checksum per chunk. On that first use the chunk is also cross-checked against the shard
+// file's own header and metadata (tensor, dtype, offset, shape, checksum), which catches an
+// index that points at the wrong file. Every floating block read is checked finite. index.json
+// is parsed strictly (each field type-checked, named in errors). Checkpoints of format
+// quilt-dcp/1 (before checksums) still load, unverified, with a note. A failed save removes
+// "<dir>.tmp" and leaves earlier checkpoints as they were.
 #include "dtensor/checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cassert>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 #include <sstream>
 
 #include "collectives/launch.h"
@@ -30,10 +46,14 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using quilt::detail::concat;
 
 constexpr const char* kIndexFile = "index.json";
-constexpr const char* kFormat = "quilt-dcp/1";
-constexpr const char* kChunksKey = "quilt.chunks";
+constexpr const char* kFormat = "quilt-dcp/2";       // chunks carry checksums
+constexpr const char* kFormatV1 = "quilt-dcp/1";     // before checksums: loads unverified
+constexpr const char* kChunksKey = "quilt.chunks";   // shard metadata: tensor -> its chunk's offset
+constexpr const char* kSumsKey = "quilt.xxh3_64";    // shard metadata: tensor -> its chunk's checksum
+constexpr const char* kSumField = "xxh3_64";         // index: a chunk's checksum, 16 hex digits
 
 // ---- the fault hook (tests) ----
 
@@ -106,6 +126,7 @@ struct ChunkRec {
   // leading dim (of size 1; offset[0] is the expert). Otherwise the entry is the tensor's name.
   std::string entry;
   bool drops_dim0 = false;
+  std::string xxh3;  // the checksum of the chunk's bytes (hex); empty: none to verify
 };
 struct TensorRec {
   Shape shape;
@@ -116,6 +137,7 @@ struct TensorRec {
 struct Source {
   std::string dir;
   std::string what;  // "checkpoint <dir>" or "<file>" for messages
+  bool checkpoint = false;  // ours: the chunks are cross-checked against the shard files' metadata
   std::vector<std::string> order;
   std::map<std::string, TensorRec> tensors;
   int world_size = 0;
@@ -123,6 +145,50 @@ struct Source {
 };
 
 Shape shape_of(const json& j) { return j.get<std::vector<int64_t>>(); }
+
+// j as a shape or offset (an array of non-negative integers), or nullopt.
+std::optional<Shape> as_shape(const json& j) {
+  if (!j.is_array()) return std::nullopt;
+  Shape s;
+  for (const json& x : j) {
+    if (!x.is_number_integer() || x.get<int64_t>() < 0) return std::nullopt;
+    s.push_back(x.get<int64_t>());
+  }
+  return s;
+}
+
+// As checksum() writes them: 16 lowercase hex digits.
+bool is_checksum(const std::string& s) {
+  const auto hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+  return s.size() == 16 && std::all_of(s.begin(), s.end(), hex);
+}
+
+// Typed reads of index.json fields; each error names the file and the field ("tensors[3].chunks[0].offset").
+struct IndexFields {
+  std::string where;  // "[op] <dir>/index.json: "
+
+  static std::string field(const std::string& parent, const std::string& key) {
+    return parent.empty() ? key : parent + "." + key;
+  }
+  const json& get(const json& obj, const std::string& parent, const std::string& key) const {
+    QUILT_CHECK(obj.contains(key), where, field(parent, key), " is missing");
+    return obj.at(key);
+  }
+  std::string string(const json& obj, const std::string& parent, const std::string& key) const {
+    const json& v = get(obj, parent, key);
+    QUILT_CHECK(v.is_string(), where, field(parent, key), " must be a string");
+    return v.get<std::string>();
+  }
+  Shape shape(const json& obj, const std::string& parent, const std::string& key) const {
+    const std::optional<Shape> s = as_shape(get(obj, parent, key));
+    QUILT_CHECK(s.has_value(), where, field(parent, key), " must be an array of non-negative integers");
+    return *s;
+  }
+  const json& of_type(const json& v, json::value_t type, const std::string& name, const char* what) const {
+    QUILT_CHECK(v.type() == type, where, name, " must be ", what);
+    return v;
+  }
+};
 
 Source read_index(const std::string& dir_in, const char* op) {
   const std::string dir = strip_slash(dir_in);
@@ -132,25 +198,64 @@ Source read_index(const std::string& dir_in, const char* op) {
   Source s;
   s.dir = dir;
   s.what = "checkpoint " + dir;
+  s.checkpoint = true;
+  json j;
   try {
-    const json j = json::parse(read_text(path));
-    QUILT_CHECK(j.at("format") == kFormat, "[", op, "] ", path, ": unknown format ", j.at("format").dump());
-    s.world_size = j.at("world_size").get<int>();
-    for (const auto& [k, v] : j.at("metadata").items()) s.metadata[k] = v.get<std::string>();
-    for (const json& t : j.at("tensors")) {
-      TensorRec r;
-      const std::string name = t.at("name").get<std::string>();
-      r.shape = shape_of(t.at("shape"));
-      r.dtype = parse_safetensors_dtype(t.at("dtype").get<std::string>(), "[" + std::string(op) + "] " + path);
-      r.placements = t.at("placements").get<std::string>();
-      for (const json& c : t.at("chunks"))
-        r.chunks.push_back(
-            {c.at("file").get<std::string>(), shape_of(c.at("offset")), shape_of(c.at("shape")), "", false});
-      s.order.push_back(name);
-      s.tensors[name] = std::move(r);
-    }
+    j = json::parse(read_text(path));
   } catch (const json::exception& e) {
     fail("[", op, "] ", path, " is not a valid checkpoint index: ", e.what());
+  }
+  const IndexFields f{concat("[", op, "] ", path, ": ")};
+  f.of_type(j, json::value_t::object, "the index", "a JSON object");
+  const std::string format = f.string(j, "", "format");
+  QUILT_CHECK(format == kFormat || format == kFormatV1, f.where, "format '", format, "' is not one this build reads (",
+              kFormat, ", or ", kFormatV1, " without checksums)");
+  if (format == kFormatV1) {
+    static std::once_flag note;
+    std::call_once(note, [&] {
+      log_line("[", op, "] ", dir, " predates chunk checksums (", kFormatV1, "): loading it unverified");
+    });
+  }
+  const json& world = f.get(j, "", "world_size");
+  QUILT_CHECK(world.is_number_integer() && world.get<int64_t>() > 0 && world.get<int64_t>() <= INT32_MAX, f.where,
+              "world_size must be a positive integer");
+  s.world_size = world.get<int>();
+  const json& meta = f.of_type(f.get(j, "", "metadata"), json::value_t::object, "metadata", "an object");
+  for (const auto& [k, v] : meta.items()) s.metadata[k] = f.string(meta, "metadata", k);
+  const json& tensors = f.of_type(f.get(j, "", "tensors"), json::value_t::array, "tensors", "an array");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string ti = "tensors[" + std::to_string(i) + "]";
+    const json& t = f.of_type(tensors[i], json::value_t::object, ti, "an object");
+    const std::string name = f.string(t, ti, "name");
+    QUILT_CHECK(!s.tensors.count(name), f.where, ti, ".name '", name, "' appears twice");
+    TensorRec r;
+    r.shape = f.shape(t, ti, "shape");
+    r.dtype = parse_safetensors_dtype(f.string(t, ti, "dtype"), f.where + ti + ".dtype");
+    r.placements = f.string(t, ti, "placements");
+    const json& chunks = f.of_type(f.get(t, ti, "chunks"), json::value_t::array, ti + ".chunks", "an array");
+    int64_t held = 0;
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      const std::string ci = ti + ".chunks[" + std::to_string(k) + "]";
+      const json& cj = f.of_type(chunks[k], json::value_t::object, ci, "an object");
+      ChunkRec c{f.string(cj, ci, "file"), f.shape(cj, ci, "offset"), f.shape(cj, ci, "shape"), "", false, ""};
+      QUILT_CHECK(!c.file.empty() && c.file.find('/') == std::string::npos && c.file != "." && c.file != "..", f.where,
+                  ci, ".file must name a file in ", dir, ", not '", c.file, "'");
+      bool inside = c.offset.size() == r.shape.size() && c.shape.size() == r.shape.size();
+      for (size_t d = 0; inside && d < r.shape.size(); ++d) inside = c.shape[d] <= r.shape[d] - c.offset[d];
+      QUILT_CHECK(inside, f.where, ci, " (offset ", c.offset, ", shape ", c.shape,
+                  ") is not inside the tensor's shape ", r.shape);
+      if (format == kFormat) {
+        c.xxh3 = f.string(cj, ci, kSumField);
+        QUILT_CHECK(is_checksum(c.xxh3), f.where, ci, ".", kSumField, " must be 16 lowercase hex digits, not '",
+                    c.xxh3, "'");
+      }
+      held += numel_of(c.shape);
+      r.chunks.push_back(std::move(c));
+    }
+    QUILT_CHECK(held == numel_of(r.shape), f.where, ti, ".chunks hold ", held, " of the tensor's ", numel_of(r.shape),
+                " elements");
+    s.order.push_back(name);
+    s.tensors[name] = std::move(r);
   }
   return s;
 }
@@ -163,7 +268,7 @@ void add_file_entries(Source& s, const std::string& file, const std::vector<std:
     r.shape = e.shape;
     r.dtype = e.dtype;
     r.placements = "plain";
-    r.chunks.push_back({file, Shape(e.shape.size(), 0), e.shape, "", false});
+    r.chunks.push_back({file, Shape(e.shape.size(), 0), e.shape, "", false, ""});
     s.order.push_back(e.name);
     s.tensors[e.name] = std::move(r);
   }
@@ -235,13 +340,81 @@ void stack_experts(Source& src, const StackedName& rule, const Shape& target_sha
                 dtype_name(x.dtype), " in ", src.what, " but expert 0 ('", expert_name(rule, 0), "') has dtype ",
                 dtype_name(rec.dtype), " (rank ", rank, ")");
     assert(x.chunks.size() == 1);  // a Hugging Face file holds each tensor whole
-    ChunkRec c{x.chunks[0].file, Shape(target_shape.size(), 0), target_shape, n, true};
+    ChunkRec c{x.chunks[0].file, Shape(target_shape.size(), 0), target_shape, n, true, ""};
     c.offset[0] = e;
     c.shape[0] = 1;
     rec.chunks.push_back(std::move(c));
   }
   if (!src.tensors.count(rule.name)) src.order.push_back(rule.name);
   src.tensors[rule.name] = std::move(rec);
+}
+
+// ---- integrity: checksums, cross-checks, finite values ----
+
+// The XXH3-64 of a contiguous CPU tensor's bytes, as 16 hex digits.
+std::string checksum(const Tensor& t) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(XXH3_64bits(t.data_ptr(), t.nbytes())));
+  return buf;
+}
+
+// Index of the first NaN or Inf (all exponent bits set) among the n values at p, or -1.
+template <class U>
+int64_t first_non_finite(const void* p, int64_t n, U exponent) {
+  const U* v = static_cast<const U*>(p);
+  int64_t first = n;
+#pragma omp parallel for reduction(min : first) if (n > (int64_t(1) << 16))
+  for (int64_t i = 0; i < n; ++i)
+    if ((v[i] & exponent) == exponent) first = std::min(first, i);
+  return first < n ? first : -1;
+}
+int64_t first_non_finite(const Tensor& t) {  // t contiguous on the CPU
+  switch (t.dtype()) {
+    case DType::f32: return first_non_finite<uint32_t>(t.data_ptr(), t.numel(), 0x7f800000u);
+    case DType::f64: return first_non_finite<uint64_t>(t.data_ptr(), t.numel(), 0x7ff0000000000000ull);
+    case DType::bf16: return first_non_finite<uint16_t>(t.data_ptr(), t.numel(), 0x7f80);
+    case DType::f16: return first_non_finite<uint16_t>(t.data_ptr(), t.numel(), 0x7c00);
+    default: return -1;
+  }
+}
+
+// Throws naming the first NaN or Inf of `piece`, read at `start` in the chunk at `offset` in its tensor.
+void check_finite(const Tensor& piece, const Shape& offset, const Shape& start, const std::string& where) {
+  const int64_t bad = is_floating(piece.dtype()) ? first_non_finite(piece) : -1;
+  if (bad < 0) return;
+  Shape at(piece.dim());  // the element's place in the tensor
+  for (int64_t i = bad, d = piece.dim() - 1; d >= 0; i /= piece.shape()[size_t(d)], --d)
+    at[size_t(d)] = offset[size_t(d)] + start[size_t(d)] + i % piece.shape()[size_t(d)];
+  const double v = piece.reshape({-1}).narrow(0, bad, 1).item<double>();
+  fail(where, ": element ", at, " is ", std::isnan(v) ? "NaN" : v > 0 ? "Inf" : "-Inf",
+       " (a floating tensor must load finite values)");
+}
+
+// The metadata map `key` (a JSON object: tensor -> value) of a shard file, at `name`; null when absent.
+json shard_metadata(const SafetensorsIndex& file, const char* key, const std::string& name) {
+  const auto m = file.metadata.find(key);
+  if (m == file.metadata.end()) return nullptr;
+  const json j = json::parse(m->second, nullptr, false);  // discarded (no exception) when malformed
+  return j.is_object() && j.contains(name) ? j.at(name) : json(nullptr);
+}
+
+// The chunk as its shard file describes itself (header and metadata) must be the index's chunk:
+// this catches an index that points at the wrong file, e.g. two `file` entries swapped.
+void cross_check(const Source& src, const TensorRec& rec, const std::string& name, const ChunkRec& c,
+                 const SafetensorsIndex& file, const std::string& where) {
+  const std::string index = src.dir + "/" + kIndexFile;
+  auto disagree = [&](const char* what, const std::string& in_index, const std::string& in_file) {
+    fail(where, ": ", index, " and this file disagree on the chunk's ", what, ": ", in_index, " in the index, ",
+         in_file, " in the file");
+  };
+  const SafetensorsEntry* e = file.find(name);
+  if (!e) fail(where, ": ", index, " places the chunk in this file, which holds no tensor '", name, "'");
+  if (e->dtype != rec.dtype) disagree("dtype", dtype_name(rec.dtype), dtype_name(e->dtype));
+  const std::optional<Shape> offset = as_shape(shard_metadata(file, kChunksKey, name));
+  if (offset != c.offset) disagree("offset", concat(c.offset), offset ? concat(*offset) : "none");
+  if (e->shape != c.shape) disagree("shape", concat(c.shape), concat(e->shape));
+  const json sum = shard_metadata(file, kSumsKey, name);
+  if (!c.xxh3.empty() && sum != c.xxh3) disagree("checksum", c.xxh3, sum.is_string() ? sum.get<std::string>() : "none");
 }
 
 // ---- filling a target's block from a source ----
@@ -254,9 +427,52 @@ int rank_label(const Tensor& t) {
   return is_initialized() ? launch_info().rank : 0;
 }
 
+// "[op] rank R: <file>: tensor 'name' chunk at offset (...)" (or "expert E ('entry')"): the
+// place every error about one chunk starts with.
+std::string chunk_where(const Source& src, const std::string& name, const ChunkRec& c, const std::string& entry,
+                        int rank, const char* op) {
+  const std::string part =
+      c.drops_dim0 ? concat("expert ", c.offset[0], " ('", entry, "')") : concat("chunk at offset ", c.offset);
+  return concat("[", op, "] rank ", rank, ": ", src.dir, "/", c.file, ": tensor '", name, "' ", part);
+}
+
+// The files a load has opened, and the chunks of them it has checked (see the header comment).
+struct OpenFiles {
+  std::map<std::string, SafetensorsIndex> headers;
+  std::set<std::string> checked;  // "<file>/<entry>"
+};
+
+// Runs f, prefixing `where` to the message of an error it throws.
+template <class F>
+auto at_chunk(const std::string& where, F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    fail(where, ": ", e.what());
+  }
+}
+
+// Reads the block [start, start + sizes) of chunk c, both in the chunk's coordinates (dim 0
+// included for an expert, whose file entry lacks it); the result has the block's shape.
+Tensor read_block(const SafetensorsIndex& file, const ChunkRec& c, const std::string& entry, Shape start, Shape sizes,
+                  int rank, const std::string& where) {
+  if (c.drops_dim0) {
+    start.erase(start.begin());
+    sizes.erase(sizes.begin());
+  }
+  std::function<void(const std::string&, const Shape&, const Shape&, int)> hook;
+  {
+    std::lock_guard<std::mutex> lock(read_hook().mu);
+    hook = read_hook().fn;
+  }
+  if (hook) hook(entry, start, sizes, rank);
+  Tensor piece = at_chunk(where, [&] { return read_safetensors_block(file, entry, start, sizes); });
+  return c.drops_dim0 ? piece.unsqueeze(0) : piece;
+}
+
 // Fills `target` with tensor `name` of `src`, or, for a plain target, with the block `region` of it.
-void fill(const Source& src, const std::string& name, const Tensor& target, std::map<std::string, SafetensorsIndex>& files,
-          const char* op, const Block* region = nullptr) {
+void fill(const Source& src, const std::string& name, const Tensor& target, OpenFiles& files, const char* op,
+          const Block* region = nullptr) {
   const int rank = rank_label(target);
   QUILT_CHECK(target.defined(), "[", op, "] target '", name, "' is undefined (rank ", rank, ")");
   auto it = src.tensors.find(name);
@@ -296,46 +512,80 @@ void fill(const Source& src, const std::string& name, const Tensor& target, std:
     }
     if (empty || numel_of(inter.shape) == 0) continue;
     const std::string& entry = c.entry.empty() ? name : c.entry;
-    Shape start(block.shape.size()), sizes = inter.shape;
+    const std::string where = chunk_where(src, name, c, entry, rank, op);
+    auto fi = files.headers.find(c.file);
+    if (fi == files.headers.end()) {
+      SafetensorsIndex header = at_chunk(where, [&] { return read_safetensors_index(src.dir + "/" + c.file); });
+      fi = files.headers.emplace(c.file, std::move(header)).first;
+    }
+    // The first block of a chunk a load reads: cross-check the chunk and, when it has a checksum,
+    // read it whole to verify it (later blocks of it are read alone).
+    const bool first = files.checked.insert(c.file + "/" + entry).second;
+    if (first && src.checkpoint) cross_check(src, rec, name, c, fi->second, where);
+    const bool whole = first && !c.xxh3.empty();
+    Shape start(block.shape.size());  // of the intersection, in the chunk
     for (size_t d = 0; d < start.size(); ++d) start[d] = inter.offset[d] - c.offset[d];
-    if (c.drops_dim0) {
-      start.erase(start.begin());
-      sizes.erase(sizes.begin());
-    }
-    std::function<void(const std::string&, const Shape&, const Shape&, int)> hook;
-    {
-      std::lock_guard<std::mutex> lock(read_hook().mu);
-      hook = read_hook().fn;
-    }
-    if (hook) hook(entry, start, sizes, rank);
-    Tensor piece;
-    try {
-      auto fi = files.find(c.file);
-      if (fi == files.end()) fi = files.emplace(c.file, read_safetensors_index(src.dir + "/" + c.file)).first;
-      piece = read_safetensors_block(fi->second, entry, start, sizes);
-    } catch (const Error& e) {
-      const std::string expert =
-          c.drops_dim0 ? "expert " + std::to_string(c.offset[0]) + " '" + entry + "', " : std::string();
-      fail("[", op, "] tensor '", name, "' (", expert, "rank ", rank, "): ", e.what());
-    }
+    const Shape read_start = whole ? Shape(start.size(), 0) : start;
+    Tensor piece = read_block(fi->second, c, entry, read_start, whole ? c.shape : inter.shape, rank, where);
+    if (whole && checksum(piece) != c.xxh3)
+      fail(where, ": checksum mismatch (the file is damaged or was changed after saving)");
+    check_finite(piece, c.offset, read_start, where);
+    for (size_t d = 0; d < start.size(); ++d)
+      piece = piece.narrow(int64_t(d), start[d] - read_start[d], inter.shape[d]);
     Tensor dst = local;
     for (size_t d = 0; d < block.shape.size(); ++d)
       dst = dst.narrow(int64_t(d), inter.offset[d] - block.offset[d], inter.shape[d]);
-    dst.copy_(c.drops_dim0 ? piece.unsqueeze(0) : piece);
+    dst.copy_(piece);
     covered += numel_of(inter.shape);
   }
   QUILT_CHECK(covered == numel_of(block.shape), "[", op, "] tensor '", name, "' (rank ", rank, "): the chunks in ",
               src.what, " cover ", covered, " of the ", numel_of(block.shape), " elements this rank needs");
 }
 
-// Every rank learns whether all succeeded; the failing ranks' own messages are kept.
+// Every rank learns whether all succeeded; the failing ranks' own messages are kept. On a
+// failure rank 0 removes "<dir>.tmp" (every rank is done writing there), so nothing of it stays.
 void agree(Communicator& comm, bool ok, const std::string& msg, const std::string& dir, const std::string& phase) {
   Tensor flag = full({1}, ok ? 1.0 : 0.0, {.dtype = DType::i32, .device = comm.device()});
   comm.all_reduce(flag, ReduceOp::min);
   if (flag.item<int>() == 1) return;
+  if (comm.rank() == 0) {
+    std::error_code ec;
+    fs::remove_all(dir + ".tmp", ec);
+  }
   if (!ok) fail("[save_checkpoint] ", dir, ": rank ", comm.rank(), " failed while ", phase, ": ", msg,
                 " (nothing was committed)");
   fail("[save_checkpoint] ", dir, ": another rank failed while ", phase, " (nothing was committed)");
+}
+
+// Runs f, recording the message of an exception it throws in ok and msg (for agree()).
+template <class F>
+void attempt(bool& ok, std::string& msg, F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    ok = false;
+    msg = e.what();
+  }
+}
+
+// Moves "<dir>.tmp" to dir, replacing an earlier dir, which comes back if the move fails.
+void commit(const std::string& tmp, const std::string& dir) {
+  const std::string old = dir + ".old";
+  const bool replacing = fs::exists(dir);
+  std::error_code ec;
+  if (replacing) {
+    fs::remove_all(old, ec);
+    fs::rename(dir, old);
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) {
+    std::error_code back;
+    if (replacing) fs::rename(old, dir, back);
+    fail("[save_checkpoint] cannot rename ", tmp, " to ", dir, ": ", ec.message());
+  }
+  if (replacing) fs::remove_all(old, ec);
+  const std::string parent = fs::path(dir).parent_path().string();
+  fsync_path(parent.empty() ? "." : parent, true);
 }
 
 int64_t trailing_number(const std::string& s, bool* has) {
@@ -364,13 +614,18 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
   const std::string dir = strip_slash(dir_in);
   const std::string tmp = dir + ".tmp";
   const int rank = comm.rank();
-  {
+  bool ok = true;
+  std::string msg;
+  // Phase 0: the state is whole on every rank (one rank's undefined tensor fails them all, before
+  // the collectives below).
+  attempt(ok, msg, [&] {
     std::set<std::string> seen;
     for (const auto& [name, t] : state) {
       QUILT_CHECK(t.defined(), "[save_checkpoint] tensor '", name, "' is undefined");
       QUILT_CHECK(seen.insert(name).second, "[save_checkpoint] tensor name '", name, "' appears twice");
     }
-  }
+  });
+  agree(comm, ok, msg, dir, "checking its tensors");
   // Shards this rank writes: one copy of each block (coordinate 0 of every non-Shard axis).
   std::vector<std::pair<std::string, Tensor>> mine;
   json chunks = json::object();
@@ -393,13 +648,13 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
         for (size_t a = 0; a < pl.size(); ++a) writer = writer && (pl[a].is_shard() || mesh.coordinate(int64_t(a)) == 0);
         const Block b = local_block(t.shape(), mesh.shape(), pl, mesh.coordinate());
         if (writer && numel_of(b.shape) > 0) {
-          mine.emplace_back(name, contiguous(t.local()));
+          mine.emplace_back(name, t.local());
           chunks[name] = b.offset;
         }
       } else {
         info["placements"] = "plain";
         if (rank == 0 && t.numel() > 0) {
-          mine.emplace_back(name, contiguous(t));
+          mine.emplace_back(name, t);
           chunks[name] = Shape(size_t(t.dim()), 0);
         }
       }
@@ -408,46 +663,45 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
   }
 
   // Phase 1: rank 0 prepares an empty temporary directory (an interrupted save may have left one).
-  bool ok = true;
-  std::string msg;
-  if (rank == 0) {
-    try {
+  if (rank == 0)
+    attempt(ok, msg, [&] {
       std::error_code ec;
       fs::remove_all(tmp, ec);
       fs::create_directories(tmp);
-    } catch (const std::exception& e) {
-      ok = false;
-      msg = e.what();
-    }
-  }
+    });
   agree(comm, ok, msg, dir, "preparing " + tmp);
 
-  // Phase 2: every rank writes its own file (the file itself is written atomically too).
-  const std::string file = tmp + "/" + rank_file(rank);
-  try {
+  // Phase 2: every rank writes its own file (atomically too), with each chunk's checksum.
+  attempt(ok, msg, [&] {
+    const std::string file = tmp + "/" + rank_file(rank);
     std::function<void(const std::string&, int)> hook;
     {
       std::lock_guard<std::mutex> lock(fault_hook().mu);
       hook = fault_hook().fn;
     }
     if (hook) hook(file, rank);
-    save_safetensors(file, mine, {{kChunksKey, chunks.dump()}});
-  } catch (const std::exception& e) {
-    ok = false;
-    msg = e.what();
-  }
+    json sums = json::object();
+    for (auto& [name, t] : mine) {
+      t = contiguous(t.to(Device::cpu()));  // hashed and written from the same host bytes
+      sums[name] = checksum(t);
+    }
+    save_safetensors(file, mine, {{kChunksKey, chunks.dump()}, {kSumsKey, sums.dump()}});
+  });
   agree(comm, ok, msg, dir, "writing its shards");
 
   // Phase 3: rank 0 writes the index from every rank's file and commits by renaming.
-  if (rank == 0) {
-    try {
+  if (rank == 0)
+    attempt(ok, msg, [&] {
       std::map<std::string, json> chunk_lists;  // name -> array of chunks
       for (int r = 0; r < comm.size(); ++r) {
         const std::string f = rank_file(r);
         const SafetensorsIndex idx = read_safetensors_index(tmp + "/" + f);
-        const auto m = idx.metadata.find(kChunksKey);
-        QUILT_CHECK(m != idx.metadata.end(), "[save_checkpoint] ", tmp, "/", f, " has no chunk metadata");
-        const json offs = json::parse(m->second);
+        auto meta = [&](const char* key) {
+          const auto m = idx.metadata.find(key);
+          QUILT_CHECK(m != idx.metadata.end(), "[save_checkpoint] ", tmp, "/", f, " has no ", key, " metadata");
+          return json::parse(m->second);
+        };
+        const json offs = meta(kChunksKey), sums = meta(kSumsKey);
         for (const SafetensorsEntry& e : idx.entries) {
           // A tensor on a sub-mesh is replicated over the ranks outside it, which write the same
           // block again: the index keeps the first copy of each block.
@@ -456,7 +710,7 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
           const bool dup = std::any_of(list.begin(), list.end(), [&](const json& c) {
             return c.at("offset") == off && c.at("shape") == json(e.shape);
           });
-          if (!dup) list.push_back({{"file", f}, {"offset", off}, {"shape", e.shape}});
+          if (!dup) list.push_back({{"file", f}, {"offset", off}, {"shape", e.shape}, {kSumField, sums.at(e.name)}});
         }
       }
       for (json& t : tensors) {
@@ -470,29 +724,14 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
       json index = {{"format", kFormat}, {"world_size", comm.size()}, {"metadata", metadata}, {"tensors", tensors}};
       write_text_atomic(tmp + "/" + kIndexFile, index.dump(1), "save_checkpoint");
       fsync_path(tmp, true);
-      std::error_code ec;
-      if (fs::exists(dir)) {
-        const std::string old = dir + ".old";
-        fs::remove_all(old, ec);
-        fs::rename(dir, old);
-        fs::rename(tmp, dir);
-        fs::remove_all(old, ec);
-      } else {
-        fs::rename(tmp, dir);
-      }
-      const std::string parent = fs::path(dir).parent_path().string();
-      fsync_path(parent.empty() ? "." : parent, true);
-    } catch (const std::exception& e) {
-      ok = false;
-      msg = e.what();
-    }
-  }
+      commit(tmp, dir);
+    });
   agree(comm, ok, msg, dir, "committing");
 }
 
 void load_checkpoint(const std::string& dir, const StateDict& targets) {
   const Source src = read_index(dir, "load_checkpoint");
-  std::map<std::string, SafetensorsIndex> files;
+  OpenFiles files;
   for (const auto& [name, t] : targets) fill(src, name, t, files, "load_checkpoint");
 }
 
@@ -594,7 +833,7 @@ std::vector<std::string> export_consolidated(const std::string& dir, const std::
   if (stem.size() > 12 && stem.substr(stem.size() - 12) == ".safetensors") stem = stem.substr(0, stem.size() - 12);
   std::vector<std::string> written;
   json weight_map = json::object();
-  std::map<std::string, SafetensorsIndex> files;
+  OpenFiles files;
   for (size_t g = 0; g < groups.size(); ++g) {
     std::vector<std::pair<std::string, Tensor>> tensors;
     for (const Item* it : groups[g]) {
@@ -640,7 +879,7 @@ void import_consolidated(const std::string& path, const StateDict& targets, cons
     if (t != targets.end() && t->second.defined())
       stack_experts(src, rule, t->second.shape(), rank_label(t->second), op);
   }
-  std::map<std::string, SafetensorsIndex> files;
+  OpenFiles files;
   for (const auto& [name, t] : targets) fill(src, name, t, files, op);
 }
 

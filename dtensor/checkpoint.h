@@ -2,9 +2,12 @@
 // that rank owns (one copy of each block: replicas are written once) and then one index
 // (index.json: every tensor's global shape, dtype, placements and chunks with their offsets).
 // Everything goes to "<dir>.tmp" and becomes "<dir>" by one rename after every rank has
-// finished, so a crash never leaves a directory that looks complete. A load fills tensors of
-// any mesh, world size or placements (resharding), reading from each file only the byte runs
-// of the blocks a rank needs. Consolidated export/import speak Hugging Face's safetensors
+// finished, so a crash never leaves a directory that looks complete, and a failed save removes
+// "<dir>.tmp". A load fills tensors of any mesh, world size or placements (resharding), reading
+// from each file the byte runs of the blocks a rank needs. A damaged checkpoint never loads
+// silently: every chunk carries an XXH3-64 checksum, verified whole the first time a load reads
+// any block of it; the index is cross-checked against each shard file's own metadata, parsed
+// strictly, and every floating value read must be finite. Consolidated export/import speak Hugging Face's safetensors
 // layout (one file, or several plus model.safetensors.index.json); StackedName rules map a
 // grouped tensor of ours, e.g. MoE experts (E, I, H), to Hugging Face's one tensor per expert.
 //
@@ -60,7 +63,8 @@ struct StackedName {
 /// Saves `state` into directory `dir` (which must not exist yet, or is replaced). Collective
 /// over `comm`, which must contain every rank of every tensor's mesh (usually the world); all
 /// ranks pass the same names in the same order. Partial tensors are reduced first. `metadata`
-/// (step, config, ...) is stored in the index. Throws on every rank when any rank fails.
+/// (step, config, ...) is stored in the index. Throws on every rank when any rank fails, leaving
+/// no "<dir>.tmp" and an earlier `dir` as it was.
 void save_checkpoint(const std::string& dir, const StateDict& state, Communicator& comm,
                      const std::map<std::string, std::string>& metadata = {});
 
@@ -68,7 +72,10 @@ void save_checkpoint(const std::string& dir, const StateDict& state, Communicato
 /// (their shards, for distributed targets), whatever mesh, world size or placements saved them.
 /// Partial targets get the value on coordinate 0 and zeros elsewhere (sum) or the value
 /// everywhere (avg, max, min). dtypes are converted. Not collective. Errors name the tensor
-/// and the rank: a key missing from the checkpoint, a shape mismatch, a truncated file.
+/// and the rank: a key missing from the checkpoint, a shape mismatch, a malformed index field,
+/// and, naming the file and the chunk too, a truncated file, a checksum mismatch, an index that
+/// disagrees with the shard file, a NaN or Inf. Checkpoints saved before checksums (format
+/// quilt-dcp/1) load unverified.
 void load_checkpoint(const std::string& dir, const StateDict& targets);
 
 /// The index of checkpoint `dir`; throws when `dir` holds no complete checkpoint.
