@@ -305,5 +305,11 @@ struct MpiWorld {
 MpiWorld mpi_init_world(const CommOptions& opts, const std::string& launcher);
 /// Drains outstanding work, barrier, stops the watchdog, frees communicators, MPI_Finalize.
 void mpi_finalize_world();
+/// Tells every other rank that this one is ending on `message` (printed by them unless
+/// `printed`); their watchdogs end them at once. Waits up to a second for the notices to leave.
+/// False when no one would hear it (MPI not running, or no MPI_THREAD_MULTIPLE).
+bool mpi_announce_failure(const std::string& message, bool printed);
+/// MPI_Abort on the world.
+[[noreturn]] void mpi_abort_world(int code);
 
 }  // namespace quilt::detail

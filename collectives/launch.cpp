@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
+#include "collectives/agree.h"
 #include "collectives/internal.h"
 
 namespace quilt {
@@ -208,6 +210,29 @@ Communicator& cpu_world() {
   std::lock_guard lk(s.mu);
   QUILT_CHECK(s.cpu_world, "[launch] the world communicator is gone: finalize() has run");
   return *s.cpu_world;
+}
+
+void exit_on_error(const std::exception& error) {
+  const std::string text = detail::concat("quilt: error: ", error.what());
+  bool mpi = false;
+  {
+    LaunchState& s = launch_state();
+    std::lock_guard lk(s.mu);
+    mpi = s.initialized && s.mpi && s.info.world_size > 1;
+  }
+  if (!mpi) {
+    std::fprintf(stderr, "%s\n", text.c_str());
+    std::exit(1);
+  }
+  // An agreed error is printed by its reporter, whose notice then ends this rank (in the
+  // watchdog); if none comes, the reporter is gone and this rank speaks instead.
+  const auto* agreed = dynamic_cast<const AgreedError*>(&error);
+  if (agreed && !agreed->reporter()) std::this_thread::sleep_for(std::chrono::seconds(2));
+  log_text_every_rank(text);
+  if (!detail::mpi_announce_failure(error.what(), /*printed=*/agreed != nullptr)) detail::mpi_abort_world(1);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(1);
 }
 
 void finalize() {

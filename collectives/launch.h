@@ -11,6 +11,7 @@
 //   }
 #pragma once
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,6 +62,16 @@ Communicator& cpu_world();
 /// Waits for outstanding work, shuts the watchdog down and finalizes MPI. Registered to run at
 /// exit too; safe to call twice. Communicators must not be used afterwards.
 void finalize();
+
+/// Ends this process because of `error`, so that the whole job ends within about a second with
+/// the error as the last line it prints. One process (no launcher, or a world of one): prints
+/// "quilt: error: <what>" and exits with status 1. Several ranks: prints
+/// "[rank R] quilt: error: <what>" (an AgreedError, which every rank holds, only on the rank
+/// that reports it), tells every other rank, whose watchdogs end them at once (the ranks that
+/// log print "rank R failed: <what>" first), and exits with status 1 without waiting for
+/// anyone. Without MPI_THREAD_MULTIPLE the notice cannot be heard and the job is aborted with
+/// MPI_Abort instead.
+[[noreturn]] void exit_on_error(const std::exception& error);
 
 /// Ranks whose log_line output is printed: {0} by default; QUILT_LOG_RANKS=all or "0,3" at start.
 void set_log_ranks(std::vector<int> ranks);

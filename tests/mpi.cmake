@@ -76,6 +76,17 @@ quilt_mpi_test("collectives: a stopped rank makes the watchdog abort the job" NP
   COMMAND $<TARGET_FILE:collectives_fault> sigstop ${_fault}
   EXPECT_FAIL "\\[watchdog\\] all_reduce #3 on world"
               "ranks that had not arrived: 2 \\(did not answer")
+# An error on one rank ends every rank at once (a failure notice, well before the 60 s
+# watchdog), its text the last line: printed by that rank and, relayed, by rank 0.
+set(_throw ENV QUILT_COMM_TIMEOUT_S=60 TIMEOUT 60 WITHIN 8)
+quilt_mpi_test("collectives: an error on one rank ends every rank at once with its message" NP 3
+  COMMAND $<TARGET_FILE:collectives_fault> throw ${_throw}
+  EXPECT_FAIL "\\[rank 2\\] quilt: error: \\[fault\\] rank 2 cannot go on"
+              "\\[rank 0\\] quilt: error: rank 2 failed: \\[fault\\] rank 2 cannot go on")
+quilt_mpi_test("collectives: without MPI_THREAD_MULTIPLE an error on one rank aborts the job with its message" NP 3
+  COMMAND $<TARGET_FILE:collectives_fault> throw
+  ENV QUILT_COMM_TIMEOUT_S=60 QUILT_MPI_THREAD_LEVEL=serialized TIMEOUT 60 WITHIN 8
+  EXPECT_FAIL "\\[rank 2\\] quilt: error: \\[fault\\] rank 2 cannot go on")
 quilt_mpi_test("collectives: a shape mismatch in debug mode names the rank" NP 3
   COMMAND $<TARGET_FILE:collectives_fault> mismatch ${_fault}
   EXPECT_FAIL "rank 2 calls all_reduce #3 with shape \\(5,\\), f32, sum but rank 0 calls all_reduce #3 with shape \\(4,\\)")

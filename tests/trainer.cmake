@@ -102,3 +102,24 @@ quilt_trainer_test("moe: ep 2 x ep_shard 2 with full AC in bf16 follows the one-
 quilt_trainer_test("moe: ep 2 x tp 2 in bf16 follows the one-rank bf16 curve" moe_equivalence_bf16 ep2tp2bf16 4
   --set distributed.ep_size=2 --set distributed.tp_size=2)
 quilt_trainer_test("moe: saved under ep 2, resumed under ep 4, the curve continues" moe_resume)
+# Failing together (tests/tools/fail_together.sh): an error on some ranks ends every rank within
+# seconds (the collective timeout is set to 300 s), with the error as the last line printed.
+function(quilt_fail_test name case np within)
+  add_test(NAME "trainer: fails together: ${name}"
+    COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/fail_together.sh $<TARGET_FILE:quilt_cli>
+      ${QUILT_MPIEXEC} ${QUILT_MPIEXEC_FLAGS} -- ${case} ${np} ${within} ${ARGN})
+  set_tests_properties("trainer: fails together: ${name}" PROPERTIES TIMEOUT 300 RUN_SERIAL TRUE
+    ENVIRONMENT "OMP_NUM_THREADS=1;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+endfunction()
+quilt_fail_test("an unwritable checkpoint.dir is named at start-up on every rank" checkpoint_dir 4 10
+  "start-up checks failed on ranks 0-3: \\[checkpoint.dir\\] cannot create /proc/quilt-no-such-dir")
+quilt_fail_test("an unwritable checkpoint.dir is named at start-up with one rank" checkpoint_dir 1 10
+  "quilt: error: start-up checks failed: \\[checkpoint.dir\\] cannot create /proc/quilt-no-such-dir")
+quilt_fail_test("an unwritable logging.dir is named at start-up" logging_dir 4 10
+  "start-up checks failed on rank 0: \\[logging.dir\\] cannot create /proc/quilt-no-such-dir")
+quilt_fail_test("one rank's truncated checkpoint shard stops every rank" shard_truncated 4 10
+  "checkpoint load failed on rank" "rank-00002.safetensors")
+quilt_fail_test("one rank's deleted checkpoint shard stops every rank" shard_deleted 4 10
+  "checkpoint load failed on rank" "rank-00001.safetensors")
+quilt_fail_test("a shifted chunk in the checkpoint index stops every rank" index_shifted 4 10
+  "checkpoint load failed on rank" "rank-00002.safetensors")

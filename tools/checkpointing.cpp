@@ -2,10 +2,12 @@
 #include "tools/checkpointing.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 
+#include "collectives/agree.h"
 #include "collectives/launch.h"
 #include "dtensor/checkpoint.h"
 #include "engine/io/safetensors.h"
@@ -19,10 +21,63 @@ std::string step_dir_name(int64_t step) {
   return buf;
 }
 
+namespace {
+
+// A step-counter field of the index metadata, parsed strictly (no "1x", no "").
+int64_t metadata_int(const dtensor::CheckpointInfo& info, const std::string& dir, const std::string& key) {
+  auto it = info.metadata.find(key);
+  QUILT_CHECK(it != info.metadata.end(), "[checkpoint] ", dir, ": the index has no metadata '", key, "'");
+  int64_t v = 0;
+  const std::string& s = it->second;
+  auto res = std::from_chars(s.data(), s.data() + s.size(), v);
+  QUILT_CHECK(res.ec == std::errc() && res.ptr == s.data() + s.size() && !s.empty(), "[checkpoint] ", dir,
+              ": metadata '", key, "' must be an integer, got '", s, "'");
+  return v;
+}
+
+double metadata_double(const std::string& dir, const std::string& key, const std::string& s) {
+  double v = 0;
+  auto res = std::from_chars(s.data(), s.data() + s.size(), v);
+  QUILT_CHECK(res.ec == std::errc() && res.ptr == s.data() + s.size() && !s.empty(), "[checkpoint] ", dir,
+              ": metadata '", key, "' must be a number, got '", s, "'");
+  return v;
+}
+
+// A checkpoint saved right after a skipped (non-finite) step is suspect: it never counts
+// towards keep_last, so it cannot push a good one out.
+bool saved_after_skip(const std::string& dir) {
+  const auto meta = dtensor::read_checkpoint_info(dir).metadata;
+  auto it = meta.find("trainer.last_step_skipped");
+  return it != meta.end() && it->second == "true";
+}
+
+// keep_last: the newest `keep` good checkpoints stay, with any suspect one newer than the
+// oldest of them; everything older goes.
+void prune(const std::string& root, int64_t keep) {
+  std::vector<std::string> all;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos) all.push_back(e.path().string());
+  }
+  std::sort(all.begin(), all.end());
+  int64_t good = 0;
+  size_t oldest_kept = all.size();
+  for (size_t i = all.size(); i-- > 0 && good < keep;)
+    if (!saved_after_skip(all[i])) {
+      ++good;
+      oldest_kept = i;
+    }
+  if (good < keep) return;  // fewer good checkpoints than keep_last: delete nothing
+  for (size_t i = 0; i < oldest_kept; ++i) fs::remove_all(all[i]);
+}
+
+}  // namespace
+
 void save_checkpoint(Run& r, const std::string& root) {
   const std::string dir = (fs::path(root) / step_dir_name(r.step_count)).string();
-  if (r.world->rank() == 0) fs::create_directories(root);
-  r.world->barrier();
+  agree(*r.world, "checkpoint save", [&] {
+    if (r.world->rank() == 0) fs::create_directories(root);
+  });
   dtensor::StateDict state;
   for (auto& [name, t] : r.model->state_dict()) state.emplace_back("model." + name, t);
   OptimizerState os = r.opt->state_dict();
@@ -34,57 +89,60 @@ void save_checkpoint(Run& r, const std::string& root) {
     meta["optim." + name] = buf;
   }
   meta["trainer.step"] = std::to_string(r.step_count);
+  meta["trainer.last_step_skipped"] = r.skipped_in_a_row > 0 ? "true" : "false";
   meta["trainer.loader"] = r.loader->state().to_json();
   meta["trainer.layout"] = r.dims.mesh_string();
   meta["trainer.recipe"] = recipe_to_yaml(r.cfg);
-  dtensor::save_checkpoint(dir, state, *r.world, meta);
-  if (r.world->rank() == 0 && r.cfg.checkpoint.keep_last > 0) {
-    std::vector<std::string> all;
-    for (const auto& e : fs::directory_iterator(root)) {
-      const std::string n = e.path().filename().string();
-      if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos) all.push_back(e.path().string());
-    }
-    std::sort(all.begin(), all.end());
-    for (size_t i = 0; i + size_t(r.cfg.checkpoint.keep_last) < all.size(); ++i) fs::remove_all(all[i]);
-  }
-  r.world->barrier();
-  log_line("checkpoint: saved ", dir);
+  // Throws on every rank when any rank fails (and leaves no step_N.tmp behind).
+  agree(*r.world, "checkpoint save", [&] { dtensor::save_checkpoint(dir, state, *r.world, meta); });
+  agree(*r.world, "checkpoint pruning (checkpoint.keep_last)", [&] {
+    if (r.world->rank() == 0 && r.cfg.checkpoint.keep_last > 0) prune(root, r.cfg.checkpoint.keep_last);
+  });
+  log_line("checkpoint: saved ", dir, r.skipped_in_a_row > 0 ? " (after a skipped step: not counted by keep_last)" : "");
 }
 
 void load_checkpoint(Run& r, const std::string& dir) {
-  const dtensor::CheckpointInfo info = dtensor::read_checkpoint_info(dir);
-  dtensor::StateDict targets;
-  for (auto& [name, t] : r.model->state_dict()) targets.emplace_back("model." + name, t);
-  // Optimizer moments take their parameter's layout; their names are "optim.state.<param>.<buffer>".
-  std::map<std::string, Tensor> by_name;
-  for (const Tensor& p : r.params) by_name[p.name()] = p;
-  OptimizerState os;
-  for (const auto& ti : info.tensors) {
-    if (ti.name.rfind("optim.", 0) != 0) continue;
-    const std::string key = ti.name.substr(6);
-    const std::string rest = key.rfind("state.", 0) == 0 ? key.substr(6) : key;
-    const auto dot = rest.rfind('.');
-    auto it = by_name.find(dot == std::string::npos ? rest : rest.substr(0, dot));
-    QUILT_CHECK(it != by_name.end(), "[checkpoint] ", dir, ": optimizer tensor '", ti.name,
-                "' belongs to no parameter of this model");
-    const Tensor& p = it->second;
-    Tensor local = zeros(p.local().shape(), {.dtype = ti.dtype, .device = p.device()});
-    Tensor t = p.is_distributed() ? Tensor::make_distributed(local, p.dist_spec(), p.shape()) : local;
-    targets.emplace_back(ti.name, t);
-    os.tensors.insert(key, t);
-  }
-  dtensor::load_checkpoint(dir, targets);
-  for (auto& [k, v] : info.metadata)
-    if (k.rfind("optim.", 0) == 0) os.scalars.insert(k.substr(6), std::stod(v));
-  r.opt->load_state_dict(os);
-  r.step_count = std::stoll(info.metadata.at("trainer.step"));
-  r.loader->load_state(LoaderState::from_json(info.metadata.at("trainer.loader")));
-  log_line("checkpoint: resumed from ", dir, " at step ", r.step_count, " (saved as ", info.metadata.at("trainer.layout"),
-           ")");
+  // Each rank reads its own blocks; a damaged or missing file on one rank stops every rank.
+  dtensor::CheckpointInfo info;
+  agree(*r.world, "checkpoint load", [&] {
+    info = dtensor::read_checkpoint_info(dir);
+    dtensor::StateDict targets;
+    for (auto& [name, t] : r.model->state_dict()) targets.emplace_back("model." + name, t);
+    // Optimizer moments take their parameter's layout; their names are "optim.state.<param>.<buffer>".
+    std::map<std::string, Tensor> by_name;
+    for (const Tensor& p : r.params) by_name[p.name()] = p;
+    OptimizerState os;
+    for (const auto& ti : info.tensors) {
+      if (ti.name.rfind("optim.", 0) != 0) continue;
+      const std::string key = ti.name.substr(6);
+      const std::string rest = key.rfind("state.", 0) == 0 ? key.substr(6) : key;
+      const auto dot = rest.rfind('.');
+      auto it = by_name.find(dot == std::string::npos ? rest : rest.substr(0, dot));
+      QUILT_CHECK(it != by_name.end(), "[checkpoint] ", dir, ": optimizer tensor '", ti.name,
+                  "' belongs to no parameter of this model");
+      const Tensor& p = it->second;
+      Tensor local = zeros(p.local().shape(), {.dtype = ti.dtype, .device = p.device()});
+      Tensor t = p.is_distributed() ? Tensor::make_distributed(local, p.dist_spec(), p.shape()) : local;
+      targets.emplace_back(ti.name, t);
+      os.tensors.insert(key, t);
+    }
+    dtensor::load_checkpoint(dir, targets);
+    for (auto& [k, v] : info.metadata)
+      if (k.rfind("optim.", 0) == 0) os.scalars.insert(k.substr(6), metadata_double(dir, k, v));
+    r.opt->load_state_dict(os);
+    r.step_count = metadata_int(info, dir, "trainer.step");
+    auto loader = info.metadata.find("trainer.loader");
+    QUILT_CHECK(loader != info.metadata.end(), "[checkpoint] ", dir, ": the index has no metadata 'trainer.loader'");
+    r.loader->load_state(LoaderState::from_json(loader->second));
+  });
+  auto layout = info.metadata.find("trainer.layout");
+  log_line("checkpoint: resumed from ", dir, " at step ", r.step_count, " (saved as ",
+           layout == info.metadata.end() ? "an unknown layout" : layout->second, ")");
 }
 
 void export_consolidated(Run& r, const std::string& root) {
-  if (r.world->rank() == 0) {
+  agree(*r.world, "HF export", [&] {
+    if (r.world->rank() != 0) return;
     // HF layout: the model tensors with HF names (the trainer's "model." prefix dropped, the
     // optimizer state left out) and config.json.
     const std::string src = (fs::path(root) / step_dir_name(r.step_count)).string();
@@ -103,8 +161,7 @@ void export_consolidated(Run& r, const std::string& root) {
     fs::remove(all_path);
     std::ofstream((out / "config.json").string()) << llama_config(r.cfg.model).to_json();
     log_line("checkpoint: consolidated HF weights in ", out.string());
-  }
-  r.world->barrier();
+  });
 }
 
 std::string latest_checkpoint(const std::string& dir) {

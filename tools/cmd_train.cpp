@@ -1,5 +1,7 @@
 // `quilt train --config FILE [--set key=value ...]`: validates the recipe on every rank before
 // any work (a bad recipe exits non-zero naming the key), then runs the training loop.
+#include <cmath>
+
 #include "collectives/launch.h"
 #include "tools/command.h"
 #include "tools/config.h"
@@ -22,7 +24,8 @@ int eval_main(const CommandArgs& a) {
   init_from_launcher();
   (void)check_recipe(cfg, world().size());
   const double loss = evaluate(cfg, a.get("--checkpoint"));
-  log_line("validation loss: ", loss);
+  if (std::isnan(loss)) log_line("validation loss: nan");
+  else log_line("validation loss: ", loss);
   finalize();
   return 0;
 }

@@ -7,6 +7,7 @@
 #include <variant>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -630,6 +631,8 @@ const Table<TrainConfig>& train_table() {
       field("output_dtype", &T::output_dtype, Opt<Dtype>{{true}}, "dtype of module outputs; none: dtype"),
       field("eval_every", &T::eval_every, Int{0}, "steps between evaluations; 0: never"),
       field("eval_steps", &T::eval_steps, Int{1}, "global batches per evaluation"),
+      field("max_skipped_steps", &T::max_skipped_steps, Int{0},
+            "consecutive skipped (non-finite) steps that stop the run; 0: never stop"),
   }, [](const TrainConfig& t) {
     QUILT_CHECK(t.beta1 < 1, "[config] train.beta1 must be < 1, got ", format_double(t.beta1));
     QUILT_CHECK(t.beta2 < 1, "[config] train.beta2 must be < 1, got ", format_double(t.beta2));
@@ -884,6 +887,9 @@ RecipeConfig parse_recipe(const std::string& yaml_text, const std::vector<std::s
 }
 
 RecipeConfig load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  QUILT_CHECK(!std::filesystem::is_directory(path, ec), "[config] --config ", path,
+              " is a directory; give the recipe's YAML file (e.g. recipes/llama_tiny.yaml)");
   std::ifstream in(path, std::ios::binary);
   QUILT_CHECK(in.good(), "[config] cannot read recipe '", path, "'");
   std::stringstream ss;

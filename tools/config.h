@@ -123,6 +123,7 @@ struct TrainConfig {
   std::optional<DType> output_dtype;     // none: dtype (dtype of module outputs)
   int64_t eval_every = 0;                // 0: never
   int64_t eval_steps = 10;               // global batches per evaluation
+  int64_t max_skipped_steps = 5;         // consecutive non-finite steps that stop the run; 0: never
 
   /// Gradient-accumulation micro-steps per optimizer step for `dp` data-parallel ranks.
   int64_t accumulation_steps(int64_t dp) const { return global_batch_size / (micro_batch_size * dp); }

@@ -1,5 +1,6 @@
 // The `quilt` executable: builds the command line from the registered subcommands (see
-// tools/command.h), runs the chosen one, and turns errors into one line on stderr and exit 1.
+// tools/command.h), runs the chosen one, and turns errors into one line on stderr and exit 1
+// (of every rank, when launched: collectives/launch.h exit_on_error).
 // This is the only file that includes CLI11 (it is slow to compile).
 #include <CLI/CLI.hpp>
 
@@ -12,6 +13,7 @@
 #include <exception>
 #include <map>
 
+#include "collectives/launch.h"
 #include "engine/error.h"
 #include "tools/command.h"
 
@@ -146,8 +148,7 @@ int main(int argc, char** argv) {
     try {
       return b.command->run(args);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "quilt: error: %s\n", e.what());
-      return 1;
+      exit_on_error(e);  // under a launcher, ends every rank of the job with this error
     }
   }
   std::fprintf(stderr, "quilt: no command ran\n");

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <thread>
 
+#include "collectives/agree.h"
 #include "collectives/launch.h"
 #include "kernels/cpu/matmul.h"
 #include "models/llama/parallelize.h"
@@ -164,9 +165,12 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
       .decay_steps = std::max(t.steps, t.warmup_steps + 1),  // short runs may end inside the warmup
       .style = t.decay == Decay::kLinear ? LRDecayStyle::linear : LRDecayStyle::cosine});
 
+  // Each rank opens the data itself: one that cannot stops every rank.
   const int64_t dp_rank = r->dims.dp_rank(r->world->rank());
-  r->loader = make_loader(cfg, cfg.data.path, dp_rank, r->dims.dp(), /*shuffle=*/true);
-  if (cfg.data.val_path) r->val_loader = make_loader(cfg, *cfg.data.val_path, dp_rank, r->dims.dp(), false);
+  agree(*r->world, "opening the data", [&] {
+    r->loader = make_loader(cfg, cfg.data.path, dp_rank, r->dims.dp(), /*shuffle=*/true);
+    if (cfg.data.val_path) r->val_loader = make_loader(cfg, *cfg.data.val_path, dp_rank, r->dims.dp(), false);
+  });
 
   // The step: losses averaged over the ranks that see different tokens (dp x cp).
   LlamaForCausalLM* m = r->model.get();

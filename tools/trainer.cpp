@@ -4,7 +4,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <optional>
 
+#include "collectives/agree.h"
 #include "collectives/launch.h"
 #include "dtensor/grad_norm.h"
 #include "tools/checkpointing.h"
@@ -12,7 +16,40 @@
 #include "tools/run.h"
 
 namespace quilt {
+namespace fs = std::filesystem;
 namespace {
+
+// "validation: step 10  loss: 2.3026", or "loss: nan" (never "-nan").
+std::string validation_line(const std::string& what, double loss) {
+  char line[96];
+  if (std::isnan(loss)) std::snprintf(line, sizeof line, "%s  loss: nan", what.c_str());
+  else std::snprintf(line, sizeof line, "%s  loss: %.4f", what.c_str(), loss);
+  return line;
+}
+
+// Every rank that will write into a directory makes sure it can, before any work: an
+// unwritable checkpoint.dir is named at start-up, not at the first save after hours of steps.
+void check_writable(const std::string& key, const std::string& dir, int rank) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  QUILT_CHECK(!ec, "[", key, "] cannot create ", dir, ": ", ec.message());
+  const fs::path probe = fs::path(dir) / (".quilt-write-probe-" + std::to_string(rank));
+  bool ok = bool(std::ofstream(probe) << "probe\n");
+  ok = fs::remove(probe, ec) && ok;
+  QUILT_CHECK(ok, "[", key, "] ", dir, " is not writable by rank ", rank);
+}
+
+// A run that keeps producing non-finite steps stops instead of saving checkpoints of nothing.
+void check_skipped(const Run& r) {
+  const int64_t limit = r.cfg.train.max_skipped_steps;
+  if (limit <= 0 || r.skipped_in_a_row < limit) return;
+  // Every rank holds the same loss and norm, so every rank stops here alike.
+  throw AgreedError(detail::concat("[train] ", r.skipped_in_a_row, " steps in a row (up to step ", r.step_count,
+                                   ") had a non-finite loss or gradient norm and were skipped; stopping "
+                                   "(train.max_skipped_steps: ", limit, "). Lower train.lr, check the data, or resume "
+                                   "from an earlier checkpoint"),
+                    r.world->rank() == 0);
+}
 
 double validation_loss(Run& r) {
   if (!r.val_loader) return -1;
@@ -42,6 +79,7 @@ StepMetrics train_step(Run& r) {
   m.skipped = !(std::isfinite(m.loss) && std::isfinite(m.grad_norm));
   if (!m.skipped) r.opt->step();
   else log_line("step ", r.step_count + 1, ": non-finite ", std::isfinite(m.loss) ? "gradient norm" : "loss", ", step skipped on every rank");
+  r.skipped_in_a_row = m.skipped ? r.skipped_in_a_row + 1 : 0;
   r.opt->zero_grad();
   // Aux-loss-free balancing: once per optimizer step, from the step's global expert load.
   m.moe_load = update_moe_load_balance(*r.model);
@@ -58,28 +96,32 @@ StepMetrics train_step(Run& r) {
 }  // namespace
 
 TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
+  const CheckpointConfig& ck = cfg.checkpoint;
+  agree(world(), "start-up checks", [&] {
+    const int rank = world().rank();
+    if (ck.dir) check_writable("checkpoint.dir", *ck.dir, rank);  // every rank writes its shard
+    if (cfg.logging.dir && rank == 0) check_writable("logging.dir", *cfg.logging.dir, rank);
+  });
   std::unique_ptr<Run> run = build_run(cfg);
   Run& r = *run;
-  const CheckpointConfig& ck = cfg.checkpoint;
   if (ck.dir) {
     std::string from;
     if (ck.resume.kind == ResumeSpec::Kind::kAuto) from = latest_checkpoint(*ck.dir);
     if (ck.resume.kind == ResumeSpec::Kind::kPath) from = ck.resume.path;
     if (!from.empty()) load_checkpoint(r, from);
   }
-  MetricsLog metrics(cfg.logging, r.world->rank());
+  std::optional<MetricsLog> metrics;
+  agree(*r.world, "opening logging.dir", [&] { metrics.emplace(cfg.logging, r.world->rank()); });
   TrainResult result;
   r.model->train();
   const int64_t last = stop_after >= 0 ? std::min(stop_after, cfg.train.steps) : cfg.train.steps;
   while (r.step_count < last) {
     StepMetrics m = train_step(r);
     result.steps.push_back(m);
-    metrics.step(m, m.step % std::max<int64_t>(1, cfg.logging.every_steps) == 0 || m.step == 1 || m.step == last);
-    if (cfg.train.eval_every > 0 && m.step % cfg.train.eval_every == 0 && r.val_loader) {
-      char line[96];
-      std::snprintf(line, sizeof line, "validation: step %lld  loss: %.4f", static_cast<long long>(m.step), validation_loss(r));
-      log_line(line);
-    }
+    metrics->step(m, m.step % std::max<int64_t>(1, cfg.logging.every_steps) == 0 || m.step == 1 || m.step == last);
+    check_skipped(r);
+    if (cfg.train.eval_every > 0 && m.step % cfg.train.eval_every == 0 && r.val_loader)
+      log_line(validation_line("validation: step " + std::to_string(m.step), validation_loss(r)));
     if (ck.dir && ck.every_steps > 0 && m.step % ck.every_steps == 0 && m.step < last) save_checkpoint(r, *ck.dir);
   }
   // The last state is saved (and exported) — also with train.steps 0, which exports the
@@ -89,11 +131,13 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
     if (ck.save_consolidated) export_consolidated(r, *ck.dir);
   }
   result.final_val_loss = validation_loss(r);
-  if (result.final_val_loss >= 0) log_line("validation loss: ", result.final_val_loss);
+  if (r.val_loader) log_line(validation_line("validation: final, step " + std::to_string(r.step_count), result.final_val_loss));
   return result;
 }
 
 double evaluate(const RecipeConfig& cfg, const std::string& checkpoint_dir) {
+  QUILT_CHECK(fs::is_directory(checkpoint_dir), "[eval] --checkpoint ", checkpoint_dir,
+              fs::exists(checkpoint_dir) ? " is not a directory (give a step_N checkpoint directory)" : " does not exist");
   std::unique_ptr<Run> run = build_run(cfg);
   load_checkpoint(*run, checkpoint_dir);
   QUILT_CHECK(run->val_loader != nullptr, "[eval] the recipe has no data.val_path");

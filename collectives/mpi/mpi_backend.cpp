@@ -18,6 +18,10 @@
 // hosts (unlike files in /dev/shm) and needs no progress on the target for one-sided windows to
 // answer; it requires MPI_THREAD_MULTIPLE, without which the watchdog still aborts but cannot
 // say who is missing.
+//
+// The same channel carries failure notices: a rank that ends on an error tells every other rank
+// (announce_failure), whose watchdogs end their processes at once, even while their main threads
+// wait inside a collective for the rank that failed.
 #include <mpi.h>
 
 #include <algorithm>
@@ -50,6 +54,16 @@ namespace {
 
 constexpr int kQueryTag = 7001;
 constexpr int kReplyTag = 7002;
+constexpr int kFailureTag = 7003;
+// A failure notice: one byte (kLoud: the receivers print it; kQuiet: it is printed already),
+// then the message.
+constexpr int kNoticeBytes = 4096;
+constexpr char kLoud = 'L', kQuiet = 'Q';
+constexpr int kAckTag = 7004;
+// How long a failing rank waits for acknowledgements (a stopped or dead peer never sends one),
+// and a notified rank for the launcher to end it before it exits on its own.
+constexpr auto kAckWait = std::chrono::milliseconds(1500);
+constexpr auto kLauncherWait = std::chrono::milliseconds(300);
 constexpr auto kQueryGrace = std::chrono::milliseconds(2000);
 
 struct Query {
@@ -81,6 +95,8 @@ struct Globals {
   MPI_Request query_req = MPI_REQUEST_NULL;
   Query query_buf;
   std::vector<std::pair<MPI_Request, std::unique_ptr<Reply>>> replies;
+  MPI_Request notice_req = MPI_REQUEST_NULL;
+  char notice_buf[kNoticeBytes] = {};
 };
 
 Globals& g() {
@@ -469,9 +485,39 @@ Reply local_reply(uint64_t uid) {
   return r;
 }
 
+// A peer's failure notice ends this process (its main thread may be blocked in MPI, waiting for
+// the rank that failed): print it when loud and this rank logs, acknowledge it, then wait for
+// the launcher to end the job as the failing rank exits (or end on our own, for launchers that
+// do not). Acknowledging after printing lets the failing rank exit only once the relayed line
+// is out, so it is never cut off.
+void serve_failure_notices() {
+  Globals& s = g();
+  if (s.notice_req == MPI_REQUEST_NULL)
+    MPI_Irecv(s.notice_buf, kNoticeBytes, MPI_BYTE, MPI_ANY_SOURCE, kFailureTag, s.watch, &s.notice_req);
+  int flag = 0;
+  MPI_Status st;
+  if (MPI_Test(&s.notice_req, &flag, &st) != MPI_SUCCESS || !flag) return;
+  int n = 0;
+  MPI_Get_count(&st, MPI_BYTE, &n);
+  if (n > 0 && s.notice_buf[0] == kLoud)
+    log_text(concat("quilt: error: rank ", st.MPI_SOURCE, " failed: ", std::string(s.notice_buf + 1, size_t(n - 1))));
+  std::fflush(stdout);
+  std::fflush(stderr);
+  static char ack = 1;
+  MPI_Request r = MPI_REQUEST_NULL;
+  MPI_Isend(&ack, 1, MPI_BYTE, st.MPI_SOURCE, kAckTag, s.watch, &r);
+  const auto until = Clock::now() + kLauncherWait;
+  while (Clock::now() < until) {
+    if (r != MPI_REQUEST_NULL) MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::_Exit(1);
+}
+
 // Answers peers' queries and forgets replies that have been delivered.
 void serve_queries() {
   Globals& s = g();
+  serve_failure_notices();
   for (;;) {
     int flag = 0;
     MPI_Status st;
@@ -572,6 +618,36 @@ std::string thread_level_name(int level) {
 
 }  // namespace
 
+bool mpi_announce_failure(const std::string& message, bool printed) {
+  Globals& s = g();
+  if (!s.initialized || s.finalized || !s.multiple) return false;
+  // Never freed: the process ends right after, possibly with a notice still in flight.
+  auto& buf = *new std::string(1, printed ? kQuiet : kLoud);
+  buf += message.substr(0, kNoticeBytes - 1);
+  auto& acks = *new std::vector<char>(size_t(s.world_size));
+  auto& reqs = *new std::vector<MPI_Request>();
+  for (int r = 0; r < s.world_size; ++r) {
+    if (r == s.world_rank) continue;
+    MPI_Request q = MPI_REQUEST_NULL, a = MPI_REQUEST_NULL;
+    if (MPI_Irecv(&acks[size_t(r)], 1, MPI_BYTE, r, kAckTag, s.watch, &a) == MPI_SUCCESS) reqs.push_back(a);
+    if (MPI_Isend(buf.data(), int(buf.size()), MPI_BYTE, r, kFailureTag, s.watch, &q) == MPI_SUCCESS) reqs.push_back(q);
+  }
+  // Every peer acknowledges once it has printed what it prints; a peer that is gone or stopped
+  // never does, so the wait is bounded.
+  const auto until = Clock::now() + kAckWait;
+  int done = 0;
+  while (!done && Clock::now() < until) {
+    if (MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS) break;
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
+}
+
+void mpi_abort_world(int code) {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
 MpiWorld mpi_init_world(const CommOptions& opts, const std::string& launcher) {
   Globals& s = g();
   QUILT_CHECK(!s.initialized, "[launch] MPI is already initialised by Quilt");
@@ -608,6 +684,8 @@ MpiWorld mpi_init_world(const CommOptions& opts, const std::string& launcher) {
   QUILT_CHECK_MPI(MPI_Op_create(&user_max, 1, &s.op_max));
   QUILT_CHECK_MPI(MPI_Op_create(&user_min, 1, &s.op_min));
   QUILT_CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &s.watch));
+  // A peer that has already exited must not turn a failure notice into an MPI abort banner.
+  MPI_Comm_set_errhandler(s.watch, MPI_ERRORS_RETURN);
 
   MpiWorld out;
   MPI_Comm local = MPI_COMM_NULL;
@@ -681,9 +759,10 @@ void mpi_finalize_world() {
   w->mark_done();
 
   watchdog::stop();
-  if (s.query_req != MPI_REQUEST_NULL) {
-    MPI_Cancel(&s.query_req);
-    MPI_Wait(&s.query_req, MPI_STATUS_IGNORE);
+  for (MPI_Request* r : {&s.query_req, &s.notice_req}) {
+    if (*r == MPI_REQUEST_NULL) continue;
+    MPI_Cancel(r);
+    MPI_Wait(r, MPI_STATUS_IGNORE);
   }
   for (auto& [r, buf] : s.replies) {
     int flag = 0;

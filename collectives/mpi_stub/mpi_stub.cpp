@@ -1,6 +1,8 @@
 // Builds without MPI (QUILT_MPI=OFF) link this: a launcher-started run is refused with a clear
 // error; programs started without a launcher run as one rank, and the threads backend works.
 #include "collectives/internal.h"
+#include <cstdlib>
+
 #include "engine/error.h"
 
 namespace quilt::detail {
@@ -11,5 +13,7 @@ MpiWorld mpi_init_world(const CommOptions&, const std::string& launcher) {
 }
 
 void mpi_finalize_world() {}
+bool mpi_announce_failure(const std::string&, bool) { return false; }
+void mpi_abort_world(int code) { std::_Exit(code); }
 
 }  // namespace quilt::detail

@@ -1,9 +1,10 @@
 // Misbehaving ranks for the fault tests (run under mpiexec by expect_fail.sh): the last rank
-// skips a collective, is killed, stops itself, or (in debug mode) passes a different shape.
+// skips a collective, is killed, stops itself, (in debug mode) passes a different shape, or
+// throws an error the others do not share (ending through exit_on_error, as `quilt` does).
 // Every healthy run would finish at once; each fault must end the whole job non-zero, in
-// bounded time, with a message naming the op and the guilty rank.
+// bounded time, with a message naming the op or the error and the guilty rank.
 //
-//   mpiexec -n 3 collectives_fault skip|sigkill|sigstop|mismatch
+//   mpiexec -n 3 collectives_fault skip|sigkill|sigstop|mismatch|throw
 #include <csignal>
 #include <cstring>
 #include <string>
@@ -15,8 +16,8 @@ using namespace quilt;
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode != "skip" && mode != "sigkill" && mode != "sigstop" && mode != "mismatch") {
-    std::fprintf(stderr, "usage: collectives_fault skip|sigkill|sigstop|mismatch\n");
+  if (mode != "skip" && mode != "sigkill" && mode != "sigstop" && mode != "mismatch" && mode != "throw") {
+    std::fprintf(stderr, "usage: collectives_fault skip|sigkill|sigstop|mismatch|throw\n");
     return 2;
   }
   init_from_launcher({.comm = {.debug_checks = mode == "mismatch"}});
@@ -29,6 +30,13 @@ int main(int argc, char** argv) {
         if (mode == "skip") continue;
         if (mode == "sigkill") std::raise(SIGKILL);
         if (mode == "sigstop") std::raise(SIGSTOP);
+        if (mode == "throw") {
+          try {
+            fail("[fault] rank ", w.rank(), " cannot go on (an error only this rank sees)");
+          } catch (const Error& e) {
+            exit_on_error(e);  // the others wait in all_reduce #3 for this rank
+          }
+        }
       }
       w.all_reduce(t);
     }

@@ -283,6 +283,9 @@ TEST_CASE("config: YAML syntax errors and missing files name the file") {
   CHECK_THROWS_WITH_AS(parse("train: {steps: 3\n"), doctest::Contains("test.yaml:"), Error);
   CHECK_THROWS_WITH_AS(parse("train: {steps: 3\n"), doctest::Contains("YAML syntax error"), Error);
   CHECK_THROWS_WITH_AS(load_recipe("/nonexistent/r.yaml"), "[config] cannot read recipe '/nonexistent/r.yaml'", Error);
+  CHECK_THROWS_WITH_AS(load_recipe("/tmp"),
+                       "[config] --config /tmp is a directory; give the recipe's YAML file (e.g. recipes/llama_tiny.yaml)",
+                       Error);
 }
 
 TEST_CASE("config: load_recipe(recipe_to_yaml(cfg)) == cfg for every recipe and a non-default one") {
