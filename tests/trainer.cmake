@@ -47,6 +47,8 @@ quilt_trainer_test("fsdp 2 with activation checkpointing follows the one-rank lo
 quilt_trainer_test("the same layout twice gives bit-identical losses" determinism)
 quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
 quilt_trainer_test("a non-finite loss or gradient skips the step on every rank" nonfinite)
+quilt_trainer_test("train.max_skipped_steps non-finite steps in a row stop the run; keep_last keeps the last good checkpoint"
+  skip_limit)
 quilt_trainer_test("fsdp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit" resume_fsdp)
 quilt_trainer_test("saved under fsdp 4, resumed under fsdp 2 x tp 2, the curve continues; HF export" reshard)
 quilt_trainer_test("HF weights in, train.steps 0 export out, bit-identical under 1 rank, fsdp 4, fsdp 2 x tp 2, ddp 2; a contradicting field is named"
@@ -123,3 +125,13 @@ quilt_fail_test("one rank's deleted checkpoint shard stops every rank" shard_del
   "checkpoint load failed on rank" "rank-00001.safetensors")
 quilt_fail_test("a shifted chunk in the checkpoint index stops every rank" index_shifted 4 10
   "checkpoint load failed on rank" "rank-00002.safetensors")
+quilt_fail_test("index metadata with trailing junk is refused, naming the field" step_junk 4 10
+  "checkpoint load failed on ranks 0-3: \\[checkpoint\\] .*step_00000002: metadata 'trainer.step' must be an integer, got '2x'")
+add_test(NAME "trainer: eval of a checkpoint that does not exist says so"
+  COMMAND sh -c "out=$(\"$0\" eval --config \"$1\" --checkpoint /nonexistent/step_00000001 2>&1); rc=$?; echo \"$out\"; \
+[ $rc -ne 0 ] && echo \"$out\" | grep -qF 'quilt: error: [eval] --checkpoint /nonexistent/step_00000001 does not exist'"
+  $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/llama_tiny.yaml)
+add_test(NAME "trainer: a directory given as --config is named as one"
+  COMMAND sh -c "out=$(\"$0\" train --config \"$1\" 2>&1); rc=$?; echo \"$out\"; \
+[ $rc -ne 0 ] && echo \"$out\" | grep -qF \"[config] --config $1 is a directory\""
+  $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes)

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -43,12 +44,26 @@ double metadata_double(const std::string& dir, const std::string& key, const std
   return v;
 }
 
-// A checkpoint saved right after a skipped (non-finite) step is suspect: it never counts
-// towards keep_last, so it cannot push a good one out.
-bool saved_after_skip(const std::string& dir) {
+// Whether every rank's parameter shards hold only finite values (collective over the world).
+bool parameters_finite(Run& r) {
+  bool finite = true;
+  for (const Tensor& p : r.params) {
+    const Tensor x = p.local().to(DType::f64).contiguous();
+    const double* v = x.data<double>();
+    for (int64_t i = 0; i < x.numel() && finite; ++i) finite = std::isfinite(v[i]);
+    if (!finite) break;
+  }
+  Tensor flag = from_vector({finite ? 1.0 : 0.0}, {1});
+  r.world->all_reduce(flag, ReduceOp::min);
+  return flag.item<double>() > 0;
+}
+
+// A checkpoint saved right after a skipped (non-finite) step, or holding non-finite weights,
+// is suspect: it never counts towards keep_last, so it cannot push a good one out.
+bool suspect(const std::string& dir) {
   const auto meta = dtensor::read_checkpoint_info(dir).metadata;
-  auto it = meta.find("trainer.last_step_skipped");
-  return it != meta.end() && it->second == "true";
+  auto it = meta.find("trainer.suspect");
+  return it != meta.end() && it->second != "no";
 }
 
 // keep_last: the newest `keep` good checkpoints stay, with any suspect one newer than the
@@ -63,7 +78,7 @@ void prune(const std::string& root, int64_t keep) {
   int64_t good = 0;
   size_t oldest_kept = all.size();
   for (size_t i = all.size(); i-- > 0 && good < keep;)
-    if (!saved_after_skip(all[i])) {
+    if (!suspect(all[i])) {
       ++good;
       oldest_kept = i;
     }
@@ -89,7 +104,9 @@ void save_checkpoint(Run& r, const std::string& root) {
     meta["optim." + name] = buf;
   }
   meta["trainer.step"] = std::to_string(r.step_count);
-  meta["trainer.last_step_skipped"] = r.skipped_in_a_row > 0 ? "true" : "false";
+  const bool finite = parameters_finite(r);
+  const char* why = !finite ? "non-finite weights" : r.skipped_in_a_row > 0 ? "after a skipped step" : nullptr;
+  meta["trainer.suspect"] = why ? why : "no";
   meta["trainer.loader"] = r.loader->state().to_json();
   meta["trainer.layout"] = r.dims.mesh_string();
   meta["trainer.recipe"] = recipe_to_yaml(r.cfg);
@@ -98,7 +115,7 @@ void save_checkpoint(Run& r, const std::string& root) {
   agree(*r.world, "checkpoint pruning (checkpoint.keep_last)", [&] {
     if (r.world->rank() == 0 && r.cfg.checkpoint.keep_last > 0) prune(root, r.cfg.checkpoint.keep_last);
   });
-  log_line("checkpoint: saved ", dir, r.skipped_in_a_row > 0 ? " (after a skipped step: not counted by keep_last)" : "");
+  log_line("checkpoint: saved ", dir, why ? detail::concat(" (", why, ": not counted by keep_last)") : "");
 }
 
 void load_checkpoint(Run& r, const std::string& dir) {

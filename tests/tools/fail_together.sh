@@ -45,6 +45,11 @@ case "$case_name" in
     cmp -s "$ck/index.json" "$work/index.json" && { echo "the index was not changed"; exit 1; }
     mv "$work/index.json" "$ck/index.json"
     args=("${resume[@]}") ;;
+  step_junk)
+    saved
+    sed -i 's/"trainer.step": "2"/"trainer.step": "2x"/' "$ck/index.json"
+    grep -q '"trainer.step": "2x"' "$ck/index.json" || { echo "the index was not changed"; exit 1; }
+    args=("${resume[@]}") ;;
   *) echo "fail_together.sh: unknown case $case_name"; exit 2 ;;
 esac
 

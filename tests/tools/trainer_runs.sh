@@ -88,6 +88,38 @@ case "$mode" in
     grep -q "step skipped on every rank" "$work/blowup.log" || { cat "$work/blowup.log"; echo "no skip message"; exit 1; }
     grep -q '"skipped":true' "$work/blowup/metrics.jsonl" || { cat "$work/blowup/metrics.jsonl"; exit 1; }
     ;;
+  skip_limit)
+    # With train.max_skipped_steps 3, a checkpoint every step and keep_last 1, a run whose
+    # steps turn non-finite after the first stops non-zero after 3 skipped steps in a row, naming
+    # the key; the checkpoints saved after skipped steps never pushed out step 1's (the last good
+    # one). With a learning rate beyond f32 the first update makes the weights inf: validation
+    # prints nan and even step 1's checkpoint is marked (keep_last then deletes nothing).
+    blowup() {  # blowup NAME LR
+      set +e
+      "${mpi[@]}" -n 2 "$quilt" train "${common[@]}" --set "logging.dir=$work/$1" --set train.steps=20 \
+        --set train.lr=$2 --set train.warmup_steps=0 --set train.max_grad_norm=none --set train.max_skipped_steps=3 \
+        --set "data.val_path=$work/data/val_*.bin" --set train.eval_every=1 --set train.eval_steps=1 \
+        --set "checkpoint.dir=$work/$1/ck" --set checkpoint.every_steps=1 --set checkpoint.keep_last=1 > "$work/$1.log" 2>&1
+      rc=$?
+      set -e
+      cat "$work/$1.log"
+      [ $rc -ne 0 ] || { echo "the run did not stop"; exit 1; }
+      grep -q "quilt: error: \[train\] 3 steps in a row (up to step 4) had a non-finite loss or gradient norm and were skipped; stopping (train.max_skipped_steps: 3)" \
+        "$work/$1.log" || { echo "no stop message"; exit 1; }
+      ! grep -q "step: 5 " "$work/$1.log" || { echo "steps ran past the limit"; exit 1; }
+      ls "$work/$1/ck"
+      for s in 1 2 3; do test -d "$work/$1/ck/step_0000000$s" || { echo "checkpoint $s is missing"; exit 1; }; done
+    }
+    # First, a healthy run: keep_last 2 leaves the two newest.
+    run healthy 2 --set train.steps=4 --set "checkpoint.dir=$work/healthy/ck" --set checkpoint.every_steps=1 \
+      --set checkpoint.keep_last=2
+    [ "$(ls "$work/healthy/ck" | tr '\n' ' ')" = "step_00000003 step_00000004 " ] || { ls "$work/healthy/ck"; exit 1; }
+    blowup big 1e30
+    grep -q "saved .*step_00000002 (after a skipped step: not counted by keep_last)" "$work/big.log" || exit 1
+    blowup inf 1e39
+    grep -q "validation: step 2  loss: nan" "$work/inf.log" || { echo "validation did not print nan"; exit 1; }
+    grep -q "saved .*step_00000001 (non-finite weights: not counted by keep_last)" "$work/inf.log" || exit 1
+    ;;
   pretrained)
     # Start from Hugging Face weights (model.pretrained): a 3-step run exports HF files; loading
     # them with train.steps 0 and exporting again gives the same bytes in every layout, a
