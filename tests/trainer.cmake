@@ -125,6 +125,8 @@ quilt_fail_test("one rank's deleted checkpoint shard stops every rank" shard_del
   "checkpoint load failed on rank" "rank-00001.safetensors")
 quilt_fail_test("a shifted chunk in the checkpoint index stops every rank" index_shifted 4 10
   "checkpoint load failed on rank" "rank-00002.safetensors")
+quilt_fail_test("a full disk under rank 0's metrics.jsonl mid-run ends every rank" metrics_disk_full 4 10
+  "\\[rank 0\\] quilt: error: \\[logging.dir\\] writing .*metrics.jsonl failed at step 1 \\(disk full\\?\\)")
 quilt_fail_test("index metadata with trailing junk is refused, naming the field" step_junk 4 10
   "checkpoint load failed on ranks 0-3: \\[checkpoint\\] .*step_00000002: metadata 'trainer.step' must be an integer, got '2x'")
 add_test(NAME "trainer: eval of a checkpoint that does not exist says so"

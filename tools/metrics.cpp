@@ -43,7 +43,9 @@ std::string step_line(const StepMetrics& m) {
 MetricsLog::MetricsLog(const LoggingConfig& cfg, int rank) {
   if (!cfg.dir || rank != 0) return;
   std::filesystem::create_directories(*cfg.dir);
-  jsonl_.open((std::filesystem::path(*cfg.dir) / "metrics.jsonl").string(), std::ios::app);
+  path_ = (std::filesystem::path(*cfg.dir) / "metrics.jsonl").string();
+  jsonl_.open(path_, std::ios::app);
+  QUILT_CHECK(jsonl_.is_open(), "[logging.dir] cannot open ", path_, " for writing");
 }
 
 void MetricsLog::step(const StepMetrics& m, bool print) {
@@ -56,6 +58,8 @@ void MetricsLog::step(const StepMetrics& m, bool print) {
   if (m.skipped) j["skipped"] = true;
   jsonl_ << j.dump() << "\n";
   jsonl_.flush();
+  // Rank 0 alone writes it: a full disk here ends every rank at once (exit_on_error).
+  QUILT_CHECK(jsonl_.good(), "[logging.dir] writing ", path_, " failed at step ", m.step, " (disk full?)");
 }
 
 }  // namespace quilt

@@ -27,6 +27,7 @@ class MetricsLog {
   void step(const StepMetrics& m, bool print);
 
  private:
+  std::string path_;
   std::ofstream jsonl_;
 };
 
