@@ -101,16 +101,10 @@ Edge gradient_edge(const Tensor& t) {
 
 namespace {
 
-// Shared by backward() and grad(): `capture` maps (node, slot) to a result index; when set,
-// leaves are not accumulated into.
-std::vector<Tensor> execute(const std::vector<Tensor>& roots, const std::vector<Tensor>& seeds, bool retain_graph,
-                            bool create_graph, const std::vector<Edge>* capture) {
+// The gradient seeds of `roots` (ones for a scalar root without one).
+std::vector<std::pair<Edge, Tensor>> start_edges(const std::vector<Tensor>& roots, const std::vector<Tensor>& seeds) {
   QUILT_CHECK(roots.size() == seeds.size() || seeds.empty(), "[backward] ", roots.size(), " outputs but ",
               seeds.size(), " gradients");
-  std::unordered_map<Node*, int> deps;
-  std::unordered_map<Node*, std::vector<Tensor>> buffers;
-  std::vector<std::shared_ptr<Node>> keep;  // holds nodes alive while we run
-
   std::vector<std::pair<Edge, Tensor>> starts;
   for (size_t i = 0; i < roots.size(); ++i) {
     const Tensor& r = roots[i];
@@ -125,22 +119,56 @@ std::vector<Tensor> execute(const std::vector<Tensor>& roots, const std::vector<
                 r.shape());
     starts.emplace_back(gradient_edge(r), seed);
   }
+  return starts;
+}
+
+// A backward restricted to the nodes on a path to `targets` (backward_inputs); what the others
+// still need is left in `rest`.
+struct Split {
+  std::vector<Node*> targets;
+  DeferredBackward* rest = nullptr;
+};
+
+// Shared by backward(), grad() and the split backward: `capture` maps (node, slot) to a result
+// index; when set, leaves are not accumulated into.
+std::vector<Tensor> execute(std::vector<std::pair<Edge, Tensor>> starts, bool retain_graph, bool create_graph,
+                            const std::vector<Edge>* capture, const Split* split = nullptr) {
+  std::unordered_map<Node*, int> deps;
+  std::unordered_map<Node*, std::vector<Tensor>> buffers;
+  std::unordered_map<Node*, std::shared_ptr<Node>> keep;  // holds nodes alive while we run
 
   // Discover the graph and count incoming edges.
   std::vector<Node*> stack;
-  std::unordered_set<Node*> seen;
-  for (auto& [e, g] : starts) {
-    if (seen.insert(e.fn.get()).second) { stack.push_back(e.fn.get()); keep.push_back(e.fn); }
-  }
+  std::unordered_map<Node*, std::vector<Node*>> parents;  // only for a split
+  for (auto& [e, g] : starts)
+    if (keep.emplace(e.fn.get(), e.fn).second) stack.push_back(e.fn.get());
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
     for (const Edge& e : n->next) {
       if (!e.fn) continue;
       ++deps[e.fn.get()];
-      if (seen.insert(e.fn.get()).second) { stack.push_back(e.fn.get()); keep.push_back(e.fn); }
+      if (split) parents[e.fn.get()].push_back(n);
+      if (keep.emplace(e.fn.get(), e.fn).second) stack.push_back(e.fn.get());
     }
   }
+  // A split runs the nodes from which a target can be reached, i.e. the targets and, going up
+  // the graph, their parents; the rest waits for backward_weights.
+  std::unordered_set<Node*> on_path;
+  if (split) {
+    std::vector<Node*> up;
+    for (Node* t : split->targets)
+      if (keep.count(t) && on_path.insert(t).second) up.push_back(t);
+    while (!up.empty()) {
+      Node* n = up.back();
+      up.pop_back();
+      for (Node* p : parents[n])
+        if (on_path.insert(p).second) up.push_back(p);
+    }
+    for (auto& [n, count] : deps)
+      if (!on_path.count(n)) count = -2;  // never runs in this pass
+  }
+  auto runs_here = [&](Node* n) { return !split || on_path.count(n) > 0; };
 
   std::unordered_map<Node*, std::vector<std::pair<uint32_t, size_t>>> captures;
   std::vector<Tensor> captured;
@@ -151,6 +179,10 @@ std::vector<Tensor> execute(const std::vector<Tensor>& roots, const std::vector<
   }
 
   for (auto& [e, g] : starts) {
+    if (!runs_here(e.fn.get())) {
+      split->rest->ready.emplace_back(e, g);
+      continue;
+    }
     auto& buf = buffers[e.fn.get()];
     buf.resize(e.fn->outputs.size());
     accumulate_into(buf[e.input_nr], g);
@@ -158,7 +190,7 @@ std::vector<Tensor> execute(const std::vector<Tensor>& roots, const std::vector<
 
   std::priority_queue<Node*, std::vector<Node*>, ReadyCmp> ready;
   for (auto& [e, g] : starts)
-    if (deps[e.fn.get()] == 0) { ready.push(e.fn.get()); deps[e.fn.get()] = -1; }
+    if (runs_here(e.fn.get()) && deps[e.fn.get()] == 0) { ready.push(e.fn.get()); deps[e.fn.get()] = -1; }
 
   std::optional<NoGradGuard> no_grad;
   std::optional<EnableGradGuard> with_grad;
@@ -189,12 +221,30 @@ std::vector<Tensor> execute(const std::vector<Tensor>& roots, const std::vector<
       grads[0] = static_cast<AccumulateGrad*>(n)->run_hooks(grads[0]);  // grad() sees hooked leaf gradients too
     if (auto it = captures.find(n); it != captures.end())
       for (auto [slot, idx] : it->second) accumulate_into(captured[idx], grads[slot]);
+
+    // In a split, the slots towards nodes off the path are left for backward_weights: a
+    // partial node computes them then (keeping its saved tensors), any other computes them now.
+    std::vector<bool> later(n->next.size(), false);
+    bool defer = false;
+    if (split)
+      for (size_t i = 0; i < n->next.size(); ++i)
+        if (n->next[i].fn && !on_path.count(n->next[i].fn.get())) later[i] = defer = true;
     std::vector<Tensor> outs;
-    if (!(capture && is_leaf_acc)) outs = n->apply(std::move(grads));
-    if (!retain_graph) n->release();
+    if (defer && n->partial()) {
+      std::vector<bool> now(later.size());
+      for (size_t i = 0; i < later.size(); ++i) now[i] = !later[i];
+      split->rest->pending.push_back({keep.at(n), grads, later});
+      outs = n->apply_some(std::move(grads), now);
+    } else {
+      if (!(capture && is_leaf_acc)) outs = n->apply(std::move(grads));
+      if (!retain_graph) n->release();
+      if (defer)
+        for (size_t i = 0; i < later.size(); ++i)
+          if (later[i] && i < outs.size() && outs[i].defined()) split->rest->ready.emplace_back(n->next[i], outs[i]);
+    }
     for (size_t i = 0; i < n->next.size(); ++i) {
       const Edge& e = n->next[i];
-      if (!e.fn) continue;
+      if (!e.fn || later[i]) continue;
       Node* m = e.fn.get();
       if (i < outs.size() && outs[i].defined()) {
         auto& buf = buffers[m];
@@ -211,7 +261,7 @@ std::vector<Tensor> execute(const std::vector<Tensor>& roots, const std::vector<
 
 void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph,
                   bool create_graph) {
-  execute(roots, grads, retain_graph || create_graph, create_graph, nullptr);
+  execute(start_edges(roots, grads), retain_graph || create_graph, create_graph, nullptr);
 }
 
 std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
@@ -221,7 +271,36 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
     QUILT_CHECK(t.defined() && t.requires_grad(), "[grad] every input must require grad");
     edges.push_back(gradient_edge(t));
   }
-  return execute(outputs, grad_outputs, retain_graph || create_graph, create_graph, &edges);
+  return execute(start_edges(outputs, grad_outputs), retain_graph || create_graph, create_graph, &edges);
+}
+
+DeferredBackward backward_inputs(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+                                 const std::vector<Tensor>& inputs, bool retain_graph) {
+  DeferredBackward rest;
+  rest.retain_graph = retain_graph;
+  Split split;
+  split.rest = &rest;
+  for (const Tensor& t : inputs) {
+    QUILT_CHECK(t.defined() && t.requires_grad(), "[backward_inputs] every input must require grad");
+    split.targets.push_back(gradient_edge(t).fn.get());
+  }
+  execute(start_edges(roots, grads), retain_graph, false, nullptr, &split);
+  return rest;
+}
+
+void backward_weights(DeferredBackward&& rest) {
+  std::vector<std::pair<Edge, Tensor>> starts = std::move(rest.ready);
+  {
+    NoGradGuard no_grad;
+    for (DeferredBackward::Pending& p : rest.pending) {
+      std::vector<Tensor> outs = p.node->apply_some(std::move(p.grads), p.later);
+      if (!rest.retain_graph) p.node->release();
+      for (size_t i = 0; i < p.later.size(); ++i)
+        if (p.later[i] && i < outs.size() && outs[i].defined()) starts.emplace_back(p.node->next[i], outs[i]);
+    }
+  }
+  rest.pending.clear();
+  if (!starts.empty()) execute(std::move(starts), rest.retain_graph, false, nullptr);
 }
 
 }  // namespace quilt

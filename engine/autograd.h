@@ -66,6 +66,14 @@ class Node {
   virtual std::string name() const = 0;
   /// Drops saved state once the graph is not retained.
   virtual void release() {}
+  /// True when apply_some() computes only the gradients asked for (and so can be called again
+  /// for the others while the graph is kept).
+  virtual bool partial() const { return false; }
+  /// Gradients w.r.t. the inputs `wanted` marks; the others may come back undefined. By
+  /// default all of them (apply()).
+  virtual std::vector<Tensor> apply_some(std::vector<Tensor>&& grad_outputs, const std::vector<bool>& wanted) {
+    return apply(std::move(grad_outputs));
+  }
 
   std::vector<Edge> next;          // one per input
   std::vector<TensorMeta> outputs;  // one per output
@@ -83,6 +91,32 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
 std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                          const std::vector<Tensor>& grad_outputs = {}, bool retain_graph = false,
                          bool create_graph = false);
+
+/// What backward_inputs() leaves for backward_weights(): the ops whose gradients towards
+/// anything but the inputs (weights) are still to be computed, and the gradients already
+/// computed towards them.
+struct DeferredBackward {
+  struct Pending {
+    std::shared_ptr<Node> node;
+    std::vector<Tensor> grads;  // the node's output gradients (hooks already run)
+    std::vector<bool> later;    // the input slots left for backward_weights
+  };
+  std::vector<Pending> pending;
+  std::vector<std::pair<Edge, Tensor>> ready;
+  bool retain_graph = false;
+  bool empty() const { return pending.empty() && ready.empty(); }
+};
+
+/// The backward of `roots` split in two, as zero-bubble pipeline schedules need it:
+/// backward_inputs runs only the ops on the way to `inputs` and accumulates their gradients
+/// (their .grad, for leaves; read it from there), leaving the rest; backward_weights(rest) then
+/// finishes the backward (weight gradients, their hooks). Each op's gradient work is done once
+/// in all: an op that feeds both sides (a matmul of activations and a weight) computes its
+/// input-side gradient in the first half and its weight-side gradient in the second. Together
+/// they accumulate the same gradients as run_backward(roots, grads).
+DeferredBackward backward_inputs(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+                                 const std::vector<Tensor>& inputs, bool retain_graph = false);
+void backward_weights(DeferredBackward&& rest);
 
 /// The AccumulateGrad node of a leaf that requires grad (created on first use).
 std::shared_ptr<Node> grad_accumulator(const Tensor& leaf);

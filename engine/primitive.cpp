@@ -29,7 +29,11 @@ class PrimitiveNode final : public Node {
   explicit PrimitiveNode(std::shared_ptr<Primitive> p) : prim_(std::move(p)), name_(prim_->name()) {}
   std::string name() const override { return name_; }
   void release() override { prim_.reset(); }
+  bool partial() const override { return true; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
+    return apply_some(std::move(grads), std::vector<bool>(next.size(), true));
+  }
+  std::vector<Tensor> apply_some(std::vector<Tensor>&& grads, const std::vector<bool>& wanted) override {
     QUILT_CHECK(prim_ != nullptr, "[backward] trying to backward through the graph of '", name_,
                 "' a second time; its saved tensors were freed (pass retain_graph=true the first time)");
     bool any = false;
@@ -47,7 +51,7 @@ class PrimitiveNode final : public Node {
     }
     ctx.grads = std::move(grads);
     ctx.needs.resize(next.size());
-    for (size_t i = 0; i < next.size(); ++i) ctx.needs[i] = next[i].fn != nullptr;
+    for (size_t i = 0; i < next.size(); ++i) ctx.needs[i] = next[i].fn != nullptr && wanted[i];
     ctx.inputs = inputs;
     ctx.outputs = outputs;
     std::vector<Tensor> gi = prim_->backward(ctx);

@@ -204,3 +204,47 @@ TEST_CASE("autograd: in-place updates of a tensor requiring grad are refused whi
   }
   CHECK(x.to_vector() == std::vector<double>{0.5, 1.5});
 }
+
+TEST_CASE("autograd: backward split into inputs then weights accumulates what one backward does") {
+  // x -> linear(w1) -> tanh -> linear(w2), w1 also scaled into an extra term: weights reach
+  // the loss both through ops that feed the input side (matmul) and on their own.
+  auto make = [](uint64_t seed) {
+    std::vector<Tensor> t;
+    for (Shape s : {Shape{4, 3}, Shape{3, 5}, Shape{5, 2}})
+      t.push_back(randn(s, RngKey(seed++, "t"), {.dtype = DType::f64}).set_requires_grad(true));
+    return t;
+  };
+  auto loss_of = [](const std::vector<Tensor>& t) {
+    Tensor h = tanh(matmul(t[0], t[1]));
+    return (matmul(h, t[2]) * matmul(h, t[2])).sum() + (t[1] * t[1]).sum() * 0.5;
+  };
+  std::vector<Tensor> whole = make(7), split = make(7);
+  loss_of(whole).backward();
+
+  DeferredBackward rest = backward_inputs({loss_of(split)}, {}, {split[0]});
+  REQUIRE(split[0].grad().defined());
+  CHECK_FALSE(split[1].grad().defined());  // weight gradients wait for backward_weights
+  CHECK_FALSE(split[2].grad().defined());
+  CHECK(split[0].grad().to_vector() == whole[0].grad().to_vector());
+  CHECK_FALSE(rest.empty());
+  backward_weights(std::move(rest));
+  for (int i = 1; i < 3; ++i) {
+    REQUIRE(split[i].grad().defined());
+    const auto a = split[i].grad().to_vector(), b = whole[i].grad().to_vector();
+    for (size_t j = 0; j < a.size(); ++j) CHECK(a[j] == doctest::Approx(b[j]).epsilon(1e-14));
+  }
+}
+
+TEST_CASE("autograd: a split backward whose inputs do not reach the loss leaves everything for the weights") {
+  Tensor x = vec({1, 2});
+  Tensor w = vec({3, 4});
+  Tensor unused = vec({5});
+  DeferredBackward rest = backward_inputs({(w * w).sum() + (x * 0.0).sum() * 0.0}, {}, {unused});
+  CHECK_FALSE(unused.grad().defined());
+  CHECK_FALSE(w.grad().defined());
+  backward_weights(std::move(rest));
+  CHECK(w.grad().to_vector() == std::vector<double>{6, 8});
+  CHECK(x.grad().to_vector() == std::vector<double>{0, 0});
+  CHECK_THROWS_WITH_AS(backward_inputs({(w * 2.0).sum()}, {}, {vec({1}, false)}),
+                       "[backward_inputs] every input must require grad", Error);
+}
