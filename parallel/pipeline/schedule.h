@@ -5,12 +5,13 @@
 // the runtime walks a rank's lowered list.
 //
 //   Schedule s = make_schedule("1f1b", /*pp=*/2, /*n_microbatches=*/4);
-//   to_string(s);        // "rank 0: 0F0 0F1 . 0B0 0F2 0B1 0F3 0B2 . 0B3\nrank 1: . 1F0 1B0 ..."
-//   Lowered low = lower(s);                // rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 ...
-//   validate(low);                          // throws naming the rank and action when incomplete
-//   simulate(low).deadlocked();             // false: every receive meets its send
-//   for (const Action& a : low[rank]) run(a);   // the runtime's loop
-//   bubble_fraction(s);                     // 0.2 = (pp-1)/(m+pp-1) for 1f1b
+//   to_string(s);                            // "rank 0: 0F0 0F1 . 0B0 0F2 0B1 0F3 0B2 . 0B3\n..."
+//   Lowered low = lower(s);                  // rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 ...
+//   validate(low);                           // throws naming the rank and action when incomplete
+//   simulate(low).deadlocked();              // false: every receive meets its send
+//   for (const Action& a : low[rank]) run(a);  // the runtime's loop
+//   stage_ranks(low)[a.stage + 1];           // the peer of a SEND_F (a SEND_B's is a.stage - 1)
+//   bubble_fraction(s);                      // 0.2 = (pp-1)/(m+pp-1) for 1f1b
 //
 // Actions print as <stage><op><micro-batch>: "2F0" is stage 2's forward of micro-batch 0,
 // "1SEND_B3" stage 1 sending the gradient of its input for micro-batch 3 to stage 0. A receive
@@ -132,7 +133,8 @@ SimResult simulate(const Lowered& lists);
 /// lower + validate + simulate; throws naming the rank and action of the first problem.
 void check(const Schedule& s);
 
-/// One row per rank, one cell per time step, an empty cell for a bubble.
+/// One row per rank, one cell per time step, an empty cell for a bubble. CSV files hold
+/// compute-only schedules: loading lowers them, so the transfers always match the compute.
 std::string to_csv(const Schedule& s);
 /// Parses CSV text and checks the schedule; throws naming the rank, step and action at fault.
 Schedule from_csv(std::string_view text);

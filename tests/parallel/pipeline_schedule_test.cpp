@@ -65,6 +65,17 @@ TEST_CASE("pipeline schedule: 1f1b at pp 2 with 4 micro-batches is the hand-deri
         "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2 1RECV_F3 1F3 1B3 1SEND_B3");
 }
 
+TEST_CASE("pipeline schedule: looped_bfs finishes a stage before the next, interleaved1f1b goes depth first") {
+  // Loop placement at pp 2: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3.
+  CHECK(to_string(looped_bfs(2, 2)) ==
+        "rank 0: 0F0 0F1 2F0 2F1 . . 2B0 2B1 0B0 0B1\n"
+        "rank 1: . 1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1\n");
+  // Rounds of pp = 2 micro-batches per stage; rank 0 warms up with (v-1)*pp + 2*(pp-1) = 4.
+  const Lowered order = actions_of(interleaved_1f1b(2, 4));
+  CHECK(line(order[0]) == "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3");
+  CHECK(line(order[1]) == "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3");
+}
+
 TEST_CASE("pipeline schedule: every generator at pp 2 and 4 validates after lowering and runs without deadlock") {
   for (const std::string& name : schedule_names())
     for (int pp : {2, 4})
