@@ -242,7 +242,7 @@ Source read_index(const std::string& dir_in, const char* op) {
                   ci, ".file must name a file in ", dir, ", not '", c.file, "'");
       bool inside = c.offset.size() == r.shape.size() && c.shape.size() == r.shape.size();
       for (size_t d = 0; inside && d < r.shape.size(); ++d) inside = c.shape[d] <= r.shape[d] - c.offset[d];
-      QUILT_CHECK(inside, f.where, ci, " (offset ", c.offset, ", shape ", c.shape,
+      QUILT_CHECK(inside, f.where, ci, " (", c.file, ", offset ", c.offset, ", shape ", c.shape,
                   ") is not inside the tensor's shape ", r.shape);
       if (format == kFormat) {
         c.xxh3 = f.string(cj, ci, kSumField);

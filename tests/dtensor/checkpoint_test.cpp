@@ -1,17 +1,30 @@
 // Distributed checkpoints in one process (threads backend): save at one world size, load at
 // others and into other meshes and placements; odd shapes; errors that name the tensor and rank;
-// an interrupted save never looks complete and leaves no .tmp; Hugging Face export and import.
+// an interrupted save never looks complete and leaves no .tmp; Hugging Face export and import;
+// a damaged checkpoint (flipped bits, an index pointing at the wrong file, NaN, a malformed
+// index field) never loads silently.
 #include <doctest/doctest.h>
 
+#define XXH_INLINE_ALL  // the tests fix up a chunk's checksum themselves
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <map>
+#include <set>
 #include <sstream>
 
 #include "dtensor/checkpoint.h"
+#include "engine/io/safetensors.h"
 #include "tests/dtensor/util.h"
 
 using namespace quilt;
 namespace fs = std::filesystem;
+using json = nlohmann::json;
 
 namespace {
 
@@ -207,5 +220,255 @@ TEST_CASE("checkpoint: consolidated Hugging Face export and import, one file or 
                            doctest::Contains("[import_consolidated] tensor 'missing' is not in"), Error);
     });
   }
+  fs::remove_all(root);
+}
+
+// ---- a damaged checkpoint never loads silently ----
+
+namespace {
+
+// The kSpecs placements of a save at 2 ranks: "w" (5, 3) is rows 0..2 in rank 0's file (the chunk
+// at (0, 0)) and rows 3..4 in rank 1's (the chunk at (3, 0)).
+const std::vector<Placements> kTwoRanks = {{Shard(0)}, {Shard(1)}, {Shard(0)}, {Replicate()}, {Shard(0)}, {}};
+
+// A checkpoint of kSpecs saved at 2 ranks (kTwoRanks) in a fresh directory, removed at the end.
+struct SavedCheckpoint {
+  std::string root, dir;
+  explicit SavedCheckpoint(const std::string& tag) : root(fresh_dir(tag)), dir(root + "/ckpt") {
+    save_all(dir, {2}, kTwoRanks);
+  }
+  ~SavedCheckpoint() { fs::remove_all(root); }
+};
+
+json read_index(const std::string& dir) { return json::parse(std::ifstream(dir + "/index.json")); }
+void write_index(const std::string& dir, const json& j) { std::ofstream(dir + "/index.json") << j.dump(1); }
+
+// The index entry of tensor `name`.
+json& index_tensor(json& index, const std::string& name) {
+  for (json& t : index.at("tensors"))
+    if (t.at("name") == name) return t;
+  FAIL("no tensor " << name << " in the index");
+  throw;
+}
+
+// Flips one bit of byte `k` of tensor `name`'s data in a safetensors file (the header stays valid).
+void flip_bit(const std::string& path, const std::string& name, uint64_t k) {
+  const SafetensorsIndex idx = read_safetensors_index(path);
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(std::streamoff(idx.data_start + idx.at(name).begin + k));
+  const char c = char(f.get() ^ 0x10);
+  f.seekp(std::streamoff(idx.data_start + idx.at(name).begin + k));
+  f.put(c);
+}
+
+// Rewrites tensor `name` of shard `file` of checkpoint `dir` through `edit` and stores the new
+// bytes' checksum in the file and the index, as a save would have: only a check of the values
+// themselves can tell.
+void rewrite_chunk(const std::string& dir, const std::string& file, const std::string& name,
+                   const std::function<void(Tensor&)>& edit) {
+  SafetensorsFile sf = load_safetensors(dir + "/" + file, {.mmap = false});
+  Tensor& t = sf.tensors.at(name);
+  edit(t);
+  char sum[17];
+  std::snprintf(sum, sizeof sum, "%016llx", static_cast<unsigned long long>(XXH3_64bits(t.data_ptr(), t.nbytes())));
+  json sums = json::parse(sf.metadata.at("quilt.xxh3_64"));
+  sums[name] = sum;
+  sf.metadata["quilt.xxh3_64"] = sums.dump();
+  std::vector<std::pair<std::string, Tensor>> ts;
+  for (const std::string& n : sf.names) ts.emplace_back(n, sf.tensors.at(n));
+  save_safetensors(dir + "/" + file, ts, sf.metadata);
+  json index = read_index(dir);
+  for (json& c : index_tensor(index, name).at("chunks"))
+    if (c.at("file") == file) c["xxh3_64"] = sum;
+  write_index(dir, index);
+}
+
+// Rank -> the error it must throw; "{rank}" stands for "rank R".
+using RankErrors = std::map<int, std::string>;
+RankErrors every(const std::set<int>& ranks, const std::string& error) {
+  RankErrors out;
+  for (int r : ranks) out[r] = error;
+  return out;
+}
+
+// Loads tensor `name` of kSpecs laid out by `pl` at `n` ranks: the ranks in `errors` must throw
+// their error, the others load the saved values.
+void expect_load_failure(const std::string& dir, int n, const Placements& pl, const RankErrors& errors,
+                         const std::string& name = "w") {
+  const Spec& s = *std::find_if(kSpecs.begin(), kSpecs.end(), [&](const Spec& x) { return x.name == name; });
+  run_threads_group(n, [&](Communicator& c) {
+    const DeviceMesh mesh = test::mesh_of_shape(c, {n});
+    Tensor t = distribute_tensor(zeros(s.shape, {.dtype = s.dtype}), mesh, pl);
+    const Tensor want = distribute_tensor(value(s.name, s.shape, s.dtype), mesh, pl);
+    const auto e = errors.find(c.rank());
+    if (e == errors.end()) {
+      dtensor::load_checkpoint(dir, {{name, t}});
+      CHECK(test::max_abs_diff(t.local(), want.local()) == 0);  // no collective: the other ranks fail
+      return;
+    }
+    std::string text = e->second;
+    if (const size_t at = text.find("{rank}"); at != std::string::npos)
+      text.replace(at, 6, "rank " + std::to_string(c.rank()));
+    CHECK_THROWS_WITH_AS(dtensor::load_checkpoint(dir, {{name, t}}), doctest::Contains(text.c_str()), Error);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: a bit flipped in a shard's data fails the load, naming the file, tensor, chunk and rank") {
+  const SavedCheckpoint ck("flip");
+  const std::string& dir = ck.dir;
+  const std::string f = dir + "/rank-00001.safetensors";
+  flip_bit(f, "w", 13);  // in row 4
+  const std::string damaged = "[load_checkpoint] {rank}: " + f +
+                              ": tensor 'w' chunk at offset (3, 0): checksum mismatch (the file is damaged or was "
+                              "changed after saving)";
+  // As saved, only rank 1 reads that chunk.
+  expect_load_failure(dir, 2, {Shard(0)}, every({1}, damaged));
+  // Resharded to columns every rank reads a part of it, and verifies all of it.
+  expect_load_failure(dir, 3, {Shard(1)}, every({0, 1, 2}, damaged));
+  // At 4 ranks, rows 0..1, 2..3, 4 and none: rank 1 reads only row 3 of that chunk, rank 3 nothing.
+  expect_load_failure(dir, 4, {Shard(0)}, every({1, 2}, damaged));
+}
+
+TEST_CASE("checkpoint: an index that disagrees with a shard file fails, naming the index, the tensor and both values") {
+  const SavedCheckpoint ck("swap");
+  const std::string& dir = ck.dir;
+  const json saved = read_index(dir);
+  const std::string files = "[load_checkpoint] {rank}: " + dir + "/rank-0000";
+  const std::string disagree = ": " + dir + "/index.json and this file disagree on the chunk's ";
+  // The two `file` values of "w" swapped: each rank's chunk now names the other rank's file.
+  json index = saved;
+  json& chunks = index_tensor(index, "w").at("chunks");
+  std::swap(chunks[0]["file"], chunks[1]["file"]);
+  write_index(dir, index);
+  expect_load_failure(dir, 2, {Shard(0)},
+                      {{0, files + "1.safetensors: tensor 'w' chunk at offset (0, 0)" + disagree +
+                               "offset: (0, 0) in the index, (3, 0) in the file"},
+                       {1, files + "0.safetensors: tensor 'w' chunk at offset (3, 0)" + disagree +
+                               "offset: (3, 0) in the index, (0, 0) in the file"}});
+  // A dtype changed in the index; a chunk placed in a file that lacks the tensor.
+  index = saved;
+  index_tensor(index, "big")["dtype"] = "F16";
+  write_index(dir, index);
+  expect_load_failure(dir, 2, {Replicate()},
+                      every({0, 1}, files + "0.safetensors: tensor 'big' chunk at offset (0, 0)" + disagree +
+                                        "dtype: f16 in the index, bf16 in the file"),
+                      "big");
+  index = saved;
+  index_tensor(index, "scalar").at("chunks")[0]["file"] = "rank-00001.safetensors";
+  write_index(dir, index);
+  expect_load_failure(dir, 2, {Replicate()},
+                      every({0, 1}, files + "1.safetensors: tensor 'scalar' chunk at offset (): " + dir +
+                                        "/index.json places the chunk in this file, which holds no tensor 'scalar'"),
+                      "scalar");
+}
+
+TEST_CASE("checkpoint: a NaN written into a shard with its checksum fixed up fails the finite check") {
+  const SavedCheckpoint ck("nanfile");
+  const std::string& dir = ck.dir;
+  rewrite_chunk(dir, "rank-00000.safetensors", "w", [](Tensor& t) { t.data<float>()[4] = NAN; });  // (1, 1)
+  const std::string nan = "[load_checkpoint] {rank}: " + dir +
+                          "/rank-00000.safetensors: tensor 'w' chunk at offset (0, 0): element (1, 1) is NaN (a "
+                          "floating tensor must load finite values)";
+  expect_load_failure(dir, 2, {Shard(0)}, every({0}, nan));
+  expect_load_failure(dir, 5, {Shard(0)}, every({0, 1, 2}, nan));  // rows 0, 1, 2 are in that chunk
+}
+
+TEST_CASE("checkpoint: a tensor saved with a NaN or an Inf fails the load, naming the element") {
+  const std::string root = fresh_dir("nansave");
+  const std::string dir = root + "/ckpt";
+  run_threads_group(2, [&](Communicator& c) {
+    DeviceMesh mesh = test::mesh_of_shape(c, {2});
+    Tensor w = value("w", {5, 3}), big = value("big", {9, 4}, DType::bf16);
+    w.narrow(0, 4, 1).narrow(1, 1, 1).fill_(NAN);
+    big.narrow(0, 7, 1).narrow(1, 2, 1).fill_(-INFINITY);
+    dtensor::save_checkpoint(dir, {{"w", distribute_tensor(w, mesh, {Shard(0)})}, {"big", distribute_tensor(big, mesh, {Shard(0)})}},
+                             c);
+  });
+  const std::string file = "[load_checkpoint] {rank}: " + dir + "/rank-00001.safetensors: tensor ";
+  expect_load_failure(dir, 2, {Shard(0)}, every({1}, file + "'w' chunk at offset (3, 0): element (4, 1) is NaN"));
+  expect_load_failure(dir, 2, {Replicate()}, every({0, 1}, file + "'big' chunk at offset (5, 0): element (7, 2) is -Inf"),
+                      "big");
+  fs::remove_all(root);
+}
+
+TEST_CASE("checkpoint: every index field is type-checked, and the error names the field") {
+  const SavedCheckpoint ck("fields");
+  const std::string& dir = ck.dir;
+  const json saved = read_index(dir);
+  struct Case {
+    std::function<void(json&)> edit;
+    std::string error;
+  };
+  const std::vector<Case> cases = {
+      {[](json& j) { j["tensors"][0]["chunks"][0]["offset"] = json::array({0.5, 0}); },
+       "tensors[0].chunks[0].offset must be an array of non-negative integers"},
+      {[](json& j) { j["tensors"][0]["chunks"][1]["shape"] = "(2, 3)"; },
+       "tensors[0].chunks[1].shape must be an array of non-negative integers"},
+      {[](json& j) { j["format"] = "quilt-dcp/9"; },
+       "format 'quilt-dcp/9' is not one this build reads (quilt-dcp/2, or quilt-dcp/1 without checksums)"},
+      {[](json& j) { j["tensors"][1].erase("dtype"); }, "tensors[1].dtype is missing"},
+      {[](json& j) { j["tensors"][1]["dtype"] = "F8"; }, "tensors[1].dtype"},
+      {[](json& j) { j["world_size"] = "2"; }, "world_size must be a positive integer"},
+      {[](json& j) { j["metadata"]["step"] = 7; }, "metadata.step must be a string"},
+      {[](json& j) { j["tensors"] = json::object(); }, "tensors must be an array"},
+      {[](json& j) { j["tensors"][2]["name"] = "w"; }, "tensors[2].name 'w' appears twice"},
+      {[](json& j) { j["tensors"][0]["chunks"][1].erase("xxh3_64"); }, "tensors[0].chunks[1].xxh3_64 is missing"},
+      {[](json& j) { j["tensors"][0]["chunks"][1]["xxh3_64"] = "xyz"; },
+       "tensors[0].chunks[1].xxh3_64 must be 16 lowercase hex digits, not 'xyz'"},
+      {[](json& j) { j["tensors"][0]["chunks"][1]["offset"] = json::array({4, 0}); },
+       "tensors[0].chunks[1] (rank-00001.safetensors, offset (4, 0), shape (2, 3)) is not inside the tensor's shape (5, 3)"},
+      {[](json& j) { j["tensors"][0]["chunks"].erase(1); }, "tensors[0].chunks hold 9 of the tensor's 15 elements"},
+      {[&](json& j) { j["tensors"][0]["chunks"][0]["file"] = "../x.safetensors"; },
+       "tensors[0].chunks[0].file must name a file in " + dir + ", not '../x.safetensors'"},
+  };
+  for (const Case& c : cases) {
+    json j = saved;
+    c.edit(j);
+    write_index(dir, j);
+    const std::string error = "[read_checkpoint_info] " + dir + "/index.json: " + c.error;
+    CHECK_THROWS_WITH_AS(dtensor::read_checkpoint_info(dir), doctest::Contains(error.c_str()), Error);
+  }
+  write_index(dir, saved);
+  load_and_check(dir, {1}, {{}, {}, {}, {}, {}, {}});
+}
+
+TEST_CASE("checkpoint: an index of format quilt-dcp/1, from before checksums, still loads") {
+  const SavedCheckpoint ck("v1");
+  const std::string& dir = ck.dir;
+  json index = read_index(dir);
+  index["format"] = "quilt-dcp/1";
+  for (json& t : index.at("tensors"))
+    for (json& c : t.at("chunks")) c.erase("xxh3_64");
+  write_index(dir, index);
+  load_and_check(dir, {3}, {{Shard(1)}, {Shard(0)}, {Replicate()}, {Shard(0)}, {Replicate()}, {}});
+}
+
+TEST_CASE("checkpoint: a failed save leaves no .tmp, and the checkpoint it would have replaced loads as before") {
+  const std::string root = fresh_dir("failsave");
+  const std::string dir = root + "/step-1";
+  save_all(dir, {2}, kTwoRanks);
+  // Rank 0's disk is full: every rank throws; rank 0 removes the temporary directory.
+  dtensor::detail::set_checkpoint_fault_hook([](const std::string&, int rank) {
+    if (rank == 0) throw Error("no space left on device");
+  });
+  CHECK_THROWS_WITH_AS(save_all(dir, {2}, {{Shard(1)}, {}, {}, {}, {}, {}}),
+                       doctest::Contains("failed while writing its shards"), Error);
+  dtensor::detail::set_checkpoint_fault_hook({});
+  CHECK_FALSE(fs::exists(dir + ".tmp"));
+  CHECK_FALSE(fs::exists(dir + ".old"));
+  load_and_check(dir, {2}, {{Shard(0)}, {}, {}, {}, {}, {}});
+  // One rank's undefined tensor fails every rank, before any collective.
+  run_threads_group(2, [&](Communicator& c) {
+    Tensor t = c.rank() == 1 ? Tensor() : zeros({2});
+    const std::string mine = "[save_checkpoint] " + root + "/step-2: rank 1 failed while checking its tensors: "
+                             "[save_checkpoint] tensor 't' is undefined (nothing was committed)";
+    const std::string other = "[save_checkpoint] " + root + "/step-2: another rank failed while checking its tensors";
+    CHECK_THROWS_WITH_AS(dtensor::save_checkpoint(root + "/step-2", {{"t", t}}, c),
+                         doctest::Contains((c.rank() == 1 ? mine : other).c_str()), Error);
+  });
+  CHECK_FALSE(fs::exists(root + "/step-2.tmp"));
+  CHECK(dtensor::latest_checkpoint(root) == dir);
   fs::remove_all(root);
 }
