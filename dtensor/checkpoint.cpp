@@ -390,30 +390,60 @@ void check_finite(const Tensor& piece, const Shape& offset, const Shape& start, 
        " (a floating tensor must load finite values)");
 }
 
-// The metadata map `key` (a JSON object: tensor -> value) of a shard file, at `name`; null when absent.
-json shard_metadata(const SafetensorsIndex& file, const char* key, const std::string& name) {
-  const auto m = file.metadata.find(key);
-  if (m == file.metadata.end()) return nullptr;
-  const json j = json::parse(m->second, nullptr, false);  // discarded (no exception) when malformed
-  return j.is_object() && j.contains(name) ? j.at(name) : json(nullptr);
+// A file a load has opened: its header and, for a shard of a checkpoint, its chunk metadata.
+struct OpenFile {
+  SafetensorsIndex header;
+  json offsets, sums;  // kChunksKey and kSumsKey parsed (tensor -> value); null when absent or malformed
+};
+// The files a load has opened, and the chunks of them it has checked (see the header comment).
+struct OpenFiles {
+  std::map<std::string, OpenFile> open;
+  std::set<std::string> checked;  // "<file>/<entry>"
+};
+
+// Runs f, prefixing `where` to the message of an error it throws.
+template <class F>
+auto at_chunk(const std::string& where, F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    fail(where, ": ", e.what());
+  }
+}
+
+const OpenFile& open_file(const Source& src, const std::string& file, OpenFiles& files, const std::string& where) {
+  auto it = files.open.find(file);
+  if (it != files.open.end()) return it->second;
+  OpenFile f{at_chunk(where, [&] { return read_safetensors_index(src.dir + "/" + file); }), nullptr, nullptr};
+  auto parse = [&](const char* key) {
+    const auto m = f.header.metadata.find(key);
+    const json j = m == f.header.metadata.end() ? json(nullptr) : json::parse(m->second, nullptr, false);
+    return j.is_object() ? j : json(nullptr);  // a malformed map is discarded (no exception)
+  };
+  if (src.checkpoint) {
+    f.offsets = parse(kChunksKey);
+    f.sums = parse(kSumsKey);
+  }
+  return files.open.emplace(file, std::move(f)).first->second;
 }
 
 // The chunk as its shard file describes itself (header and metadata) must be the index's chunk:
 // this catches an index that points at the wrong file, e.g. two `file` entries swapped.
 void cross_check(const Source& src, const TensorRec& rec, const std::string& name, const ChunkRec& c,
-                 const SafetensorsIndex& file, const std::string& where) {
+                 const OpenFile& file, const std::string& where) {
   const std::string index = src.dir + "/" + kIndexFile;
   auto disagree = [&](const char* what, const std::string& in_index, const std::string& in_file) {
     fail(where, ": ", index, " and this file disagree on the chunk's ", what, ": ", in_index, " in the index, ",
          in_file, " in the file");
   };
-  const SafetensorsEntry* e = file.find(name);
+  auto of = [&](const json& map) { return map.is_object() && map.contains(name) ? map.at(name) : json(nullptr); };
+  const SafetensorsEntry* e = file.header.find(name);
   if (!e) fail(where, ": ", index, " places the chunk in this file, which holds no tensor '", name, "'");
   if (e->dtype != rec.dtype) disagree("dtype", dtype_name(rec.dtype), dtype_name(e->dtype));
-  const std::optional<Shape> offset = as_shape(shard_metadata(file, kChunksKey, name));
+  const std::optional<Shape> offset = as_shape(of(file.offsets));
   if (offset != c.offset) disagree("offset", concat(c.offset), offset ? concat(*offset) : "none");
   if (e->shape != c.shape) disagree("shape", concat(c.shape), concat(e->shape));
-  const json sum = shard_metadata(file, kSumsKey, name);
+  const json sum = of(file.sums);
   if (!c.xxh3.empty() && sum != c.xxh3) disagree("checksum", c.xxh3, sum.is_string() ? sum.get<std::string>() : "none");
 }
 
@@ -434,22 +464,6 @@ std::string chunk_where(const Source& src, const std::string& name, const ChunkR
   const std::string part =
       c.drops_dim0 ? concat("expert ", c.offset[0], " ('", entry, "')") : concat("chunk at offset ", c.offset);
   return concat("[", op, "] rank ", rank, ": ", src.dir, "/", c.file, ": tensor '", name, "' ", part);
-}
-
-// The files a load has opened, and the chunks of them it has checked (see the header comment).
-struct OpenFiles {
-  std::map<std::string, SafetensorsIndex> headers;
-  std::set<std::string> checked;  // "<file>/<entry>"
-};
-
-// Runs f, prefixing `where` to the message of an error it throws.
-template <class F>
-auto at_chunk(const std::string& where, F&& f) {
-  try {
-    return f();
-  } catch (const Error& e) {
-    fail(where, ": ", e.what());
-  }
 }
 
 // Reads the block [start, start + sizes) of chunk c, both in the chunk's coordinates (dim 0
@@ -513,20 +527,16 @@ void fill(const Source& src, const std::string& name, const Tensor& target, Open
     if (empty || numel_of(inter.shape) == 0) continue;
     const std::string& entry = c.entry.empty() ? name : c.entry;
     const std::string where = chunk_where(src, name, c, entry, rank, op);
-    auto fi = files.headers.find(c.file);
-    if (fi == files.headers.end()) {
-      SafetensorsIndex header = at_chunk(where, [&] { return read_safetensors_index(src.dir + "/" + c.file); });
-      fi = files.headers.emplace(c.file, std::move(header)).first;
-    }
+    const OpenFile& file = open_file(src, c.file, files, where);
     // The first block of a chunk a load reads: cross-check the chunk and, when it has a checksum,
     // read it whole to verify it (later blocks of it are read alone).
     const bool first = files.checked.insert(c.file + "/" + entry).second;
-    if (first && src.checkpoint) cross_check(src, rec, name, c, fi->second, where);
+    if (first && src.checkpoint) cross_check(src, rec, name, c, file, where);
     const bool whole = first && !c.xxh3.empty();
     Shape start(block.shape.size());  // of the intersection, in the chunk
     for (size_t d = 0; d < start.size(); ++d) start[d] = inter.offset[d] - c.offset[d];
     const Shape read_start = whole ? Shape(start.size(), 0) : start;
-    Tensor piece = read_block(fi->second, c, entry, read_start, whole ? c.shape : inter.shape, rank, where);
+    Tensor piece = read_block(file.header, c, entry, read_start, whole ? c.shape : inter.shape, rank, where);
     if (whole && checksum(piece) != c.xxh3)
       fail(where, ": checksum mismatch (the file is damaged or was changed after saving)");
     check_finite(piece, c.offset, read_start, where);
