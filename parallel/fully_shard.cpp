@@ -466,6 +466,7 @@ void FSDPUnit::launch_reduce(bool fill_missing) {
 
 void FSDPUnit::finish() {
   NoGradGuard ng;
+  backward_started_ = false;  // the next backward (a pipeline's next micro-batch) gathers again
   if (sync_) launch_reduce(true);  // gradients that arrived for only some parameters
   reshard(false);  // a root after a forward without backward, or a unit some gradients missed
   for (Pending& pd : pending_) {

@@ -138,8 +138,8 @@ Strategy parse_strategy(const std::string& s) {
 }
 
 const std::vector<std::string>& pipeline_schedule_names() {
-  static const std::vector<std::string> names = {"gpipe",      "1f1b", "interleaved1f1b", "looped_bfs",
-                                                 "dfs",        "zero_bubble", "v_schedule"};
+  static const std::vector<std::string> names = {"gpipe", "1f1b",        "interleaved1f1b", "interleaved_1f1b",
+                                                 "looped_bfs", "dfs", "zero_bubble", "v_schedule"};
   return names;
 }
 

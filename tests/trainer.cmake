@@ -137,3 +137,36 @@ add_test(NAME "trainer: a directory given as --config is named as one"
   COMMAND sh -c "out=$(\"$0\" train --config \"$1\" 2>&1); rc=$?; echo \"$out\"; \
 [ $rc -ne 0 ] && echo \"$out\" | grep -qF \"[config] --config $1 is a directory\""
   $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes)
+# Pipeline parallelism: every schedule follows the one-rank curve (4 pipeline micro-batches of
+# one sequence each), at pp 2 and pp 4, and pp 2 x fsdp 2.
+foreach(schedule gpipe 1f1b interleaved1f1b dfs looped_bfs zero_bubble v_schedule)
+  quilt_trainer_test("pp 2 ${schedule} follows the one-rank loss curve" equivalence pp2${schedule} 2
+    --set distributed.pp_size=2 --set distributed.pipeline.pp_schedule=${schedule} --set train.micro_batch_size=4)
+endforeach()
+quilt_trainer_test("pp 2 1f1b scaling gradients in the schedule follows the one-rank loss curve" equivalence pp2scale 2
+  --set distributed.pp_size=2 --set train.micro_batch_size=4 --set distributed.pipeline.scale_grads_in_schedule=true)
+quilt_trainer_test("pp 4 1f1b follows the one-rank loss curve" equivalence_deep pp4 4
+  --set distributed.pp_size=4 --set train.micro_batch_size=4)
+quilt_trainer_test("pp 4 interleaved1f1b (8 stages) follows the one-rank loss curve" equivalence_deep pp4i 4
+  --set distributed.pp_size=4 --set distributed.pipeline.pp_schedule=interleaved1f1b --set train.micro_batch_size=4)
+quilt_trainer_test("pp 2 x fsdp 2 follows the one-rank loss curve" equivalence pp2fsdp2 4
+  --set distributed.pp_size=2 --set train.micro_batch_size=2)
+quilt_trainer_test("pp 2 x fsdp 2 zero_bubble follows the one-rank loss curve" equivalence pp2fsdp2zb 4
+  --set distributed.pp_size=2 --set distributed.pipeline.pp_schedule=zero_bubble --set train.micro_batch_size=2)
+# The pipeline's rules, refused before work and naming the keys.
+function(quilt_pp_rule_test name expect)
+  add_test(NAME "trainer: pp rule: ${name}"
+    COMMAND sh -c "q=$0; r=$1; e=$2; shift 2; out=$(\"$q\" config check --config \"$r\" --world 4 \"$@\" 2>&1); rc=$?; \
+echo \"$out\" | tail -3; [ $rc -ne 0 ] && echo \"$out\" | grep -qF \"$e\""
+      $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/llama_tiny.yaml "${expect}" ${ARGN})
+endfunction()
+quilt_pp_rule_test("pp_size must divide the world" "pp_size" --set distributed.pp_size=3)
+quilt_pp_rule_test("a schedule not in the list" "distributed.pipeline.pp_schedule" --set distributed.pp_size=2
+  --set distributed.pipeline.pp_schedule=zigzag)
+quilt_pp_rule_test("fewer layers than stages" "distributed.pp_size 4 exceeds model.num_hidden_layers 2"
+  --set distributed.pp_size=4 --set model.num_hidden_layers=2)
+quilt_pp_rule_test("too few micro-batches for interleaved1f1b"
+  "interleaved1f1b at pp 2 needs a micro-batch count that is a multiple of pp" --set distributed.pp_size=2
+  --set distributed.pipeline.pp_schedule=interleaved1f1b --set train.micro_batch_size=3 --set train.global_batch_size=6)
+quilt_pp_rule_test("ddp refuses pp" "strategy ddp replicates the whole model on every rank and cannot combine with pp_size=2" --set distributed.pp_size=2
+  --set distributed.strategy=ddp)

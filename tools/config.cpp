@@ -17,6 +17,7 @@
 
 #include "collectives/launch.h"
 #include "engine/error.h"
+#include "parallel/pipeline/schedule.h"
 #include "tools/tokenizer.h"
 
 namespace quilt {
@@ -644,15 +645,12 @@ const Table<TrainConfig>& train_table() {
   return t;
 }
 
-constexpr const char* kNoPipeline = "pipeline parallelism is not implemented yet";
-
 const Table<PipelineConfig>& pipeline_table() {
   using P = PipelineConfig;
   static const Table<P> t{{
-      field("pp_schedule", &P::pp_schedule, Choice{pipeline_schedule_names()}, "pipeline schedule", kNoPipeline),
-      field("pp_microbatch_size", &P::pp_microbatch_size, Int{1}, "sequences per pipeline micro-batch", kNoPipeline),
-      field("scale_grads_in_schedule", &P::scale_grads_in_schedule, Bool{}, "the schedule scales gradients",
-            kNoPipeline),
+      field("pp_schedule", &P::pp_schedule, Choice{pipeline_schedule_names()}, "pipeline schedule"),
+      field("pp_microbatch_size", &P::pp_microbatch_size, Int{1}, "sequences per pipeline micro-batch"),
+      field("scale_grads_in_schedule", &P::scale_grads_in_schedule, Bool{}, "the schedule scales gradients"),
   }};
   return t;
 }
@@ -983,6 +981,14 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
     QUILT_CHECK(dims.pp() <= m.num_hidden_layers, "[config] distributed.pp_size ", dims.pp(),
                 " exceeds model.num_hidden_layers ", m.num_hidden_layers,
                 " (every pipeline stage needs at least one layer)");
+    const PipelineConfig& pc = cfg.distributed.pipeline;
+    QUILT_CHECK(dims.tp() == 1 && dims.cp() == 1 && dims.ep() == 1, "[config] distributed.pp_size ", dims.pp(),
+                " with tp_size, cp_size or ep_size > 1 is not implemented yet");
+    QUILT_CHECK(!cfg.checkpoint.dir, "[config] checkpoint.dir with distributed.pp_size ", dims.pp(),
+                ": checkpoints of pipeline stages are not implemented yet");
+    // The schedule's own rules (micro-batch count), named by make_schedule.
+    (void)pipeline::make_schedule(pc.pp_schedule, int(dims.pp()),
+                                  int(t.micro_batch_size / pc.pp_microbatch_size), 2);
   }
   if (m.num_experts > 0) {
     QUILT_CHECK(m.num_experts % dims.ep() == 0, "[config] model.num_experts ", m.num_experts,

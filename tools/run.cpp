@@ -12,6 +12,7 @@
 #include "kernels/cpu/matmul.h"
 #include "models/llama/parallelize.h"
 #include "parallel/mixed_precision.h"
+#include "parallel/pipeline/split.h"
 
 namespace quilt {
 namespace fs = std::filesystem;
@@ -119,31 +120,79 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   const bool deferred = cfg.distributed.strategy != Strategy::kDdp;
   const int64_t before = cpu_memory_stats().allocated;
   reset_cpu_peak_memory();
-  {
-    std::optional<DeferredInitGuard> guard;
-    if (deferred) guard.emplace();
-    r->model = std::make_shared<LlamaForCausalLM>(llama_config(cfg.model));
+  // Without a pipeline this rank holds the whole model (one "stage"); with one, the stages the
+  // schedule puts on its pipeline rank, each parallelized on its own.
+  const LlamaConfig lcfg = llama_config(cfg.model);
+  std::vector<int> my_stages{0};
+  std::vector<pipeline::StageSpan> spans{{.first_layer = 0, .end_layer = lcfg.num_hidden_layers, .embed = true, .head = true}};
+  pipeline::Lowered lists;
+  const PipelineConfig& pc = cfg.distributed.pipeline;
+  const int64_t pp = r->dims.pp();
+  if (pp > 1) {
+    const int64_t n_micro = t.micro_batch_size / pc.pp_microbatch_size;
+    lists = pipeline::lower(pipeline::make_schedule(pc.pp_schedule, int(pp), int(n_micro), 2));
+    pipeline::validate(lists);
+    const std::vector<int> ranks = pipeline::stage_ranks(lists);
+    spans = pipeline::split_layers(lcfg.num_hidden_layers, int64_t(ranks.size()));
+    const int me = int(r->dims.coords(r->world->rank()).pp);
+    my_stages.clear();
+    for (size_t s = 0; s < ranks.size(); ++s)
+      if (ranks[s] == me) my_stages.push_back(int(s));
+    std::string layout;
+    for (size_t s = 0; s < spans.size(); ++s)
+      layout += detail::concat(s ? ", " : "", s, ": layers [", spans[s].first_layer, ", ", spans[s].end_layer, ")",
+                               spans[s].embed ? " + embedding" : "", spans[s].head ? " + head" : "", " on rank ",
+                               ranks[s]);
+    log_line("pipeline: ", pc.pp_schedule, ", ", ranks.size(), " stages over ", pp, " ranks, ", n_micro,
+             " micro-batches of ", pc.pp_microbatch_size, " (stage ", layout, ")");
   }
-  if (!deferred) r->model->init_weights(uint64_t(t.seed));
   LlamaParallelizeOptions popts;
   popts.param_dtype = t.param_dtype;
   popts.reduce_dtype = t.reduce_dtype;
   popts.output_dtype = t.output_dtype;
-  r->dp = parallelize_llama(*r->model, r->meshes, cfg.distributed, popts);
-  if (deferred) r->model->init_weights(uint64_t(t.seed));
+  std::vector<pipeline::StageRef> refs;
+  for (int s : my_stages) {
+    const pipeline::StageSpan& sp = spans[size_t(s)];
+    std::shared_ptr<LlamaForCausalLM> m;
+    {
+      std::optional<DeferredInitGuard> guard;
+      if (deferred) guard.emplace();
+      m = std::make_shared<LlamaForCausalLM>(
+          lcfg, LlamaStage{.first_layer = sp.first_layer, .end_layer = sp.end_layer, .embed = sp.embed, .head = sp.head});
+    }
+    if (!deferred) m->init_weights(uint64_t(t.seed));
+    DataParallelism dp = parallelize_llama(*m, r->meshes, cfg.distributed, popts);
+    if (deferred) m->init_weights(uint64_t(t.seed));
+    LlamaForCausalLM* raw = m.get();
+    refs.push_back({.stage = s, .forward = [raw](const Tensor& x, const Tensor& pos) { return (*raw)(x, pos); }, .dp = dp});
+    r->stages.push_back(m);
+    if (!r->model) {
+      r->model = m;
+      r->dp = dp;
+    }
+  }
   {
     int64_t full_bytes = 0;
-    for (const Tensor& p : r->model->parameters()) full_bytes += p.numel() * int64_t(dtype_size(p.dtype()));
+    double flops = 0;
+    for (const auto& m : r->stages) {
+      for (const Tensor& p : m->parameters()) full_bytes += p.numel() * int64_t(dtype_size(p.dtype()));
+      flops += m->flops_per_token(t.seq_len);
+    }
+    // The whole model's FLOPs per token: every pipeline rank's stages together.
+    Tensor f = scalar_tensor(flops, {.dtype = DType::f64});
+    if (pp > 1) r->meshes["pp"].comm_ptr(0)->all_reduce(f, ReduceOp::sum);
+    r->flops_per_token = f.item<double>();
     log_line("model: ", deferred ? "built without storage, each rank initialised its shards" : "initialised whole",
              "; host memory peak while building: ", (cpu_memory_stats().peak_allocated - before) >> 10,
-             " KiB (full parameters: ", full_bytes >> 10, " KiB)");
+             " KiB (full parameters", pp > 1 ? " of this rank's stages" : "", ": ", full_bytes >> 10, " KiB)");
   }
   // Pretrained weights go straight into whatever layout the plan made (each rank reads its shards).
   if (!weights.empty()) {
-    load_hf_weights(*r->model, weights);
+    for (const auto& m : r->stages) load_hf_weights(*m, weights);
     log_line("model: weights from ", weights);
   }
-  r->params = r->model->parameters();
+  for (const auto& m : r->stages)
+    for (const Tensor& p : m->parameters()) r->params.push_back(p);
   {
     int64_t total = 0, mine = 0;
     for (const Tensor& p : r->params) {
@@ -173,11 +222,19 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   });
 
   // The step: losses averaged over the ranks that see different tokens (dp x cp).
+  const auto loss_comm = r->meshes["dp_cp"].comm_ptr(0);
+  if (pp > 1) {
+    r->pp_comm = r->meshes["pp"].comm_ptr(0);
+    r->step = std::make_unique<PipelineTrainStep>(
+        std::move(lists), std::move(refs), int(spans.size()),
+        PipelineStepOptions{.rows = pc.pp_microbatch_size, .scale_in_schedule = pc.scale_grads_in_schedule,
+                            .pp_comm = r->pp_comm, .loss_comm = loss_comm, .params = r->params});
+    return r;
+  }
   LlamaForCausalLM* m = r->model.get();
   r->step = std::make_unique<LocalTrainStep>(
       [m](const Tensor& tokens, const Tensor& positions) { return (*m)(tokens, positions); },
-      StepHooks{.dp = r->dp, .defer_fsdp_grad_sync = cfg.distributed.defer_fsdp_grad_sync,
-                .loss_comm = r->meshes["dp_cp"].comm_ptr(0)});
+      StepHooks{.dp = r->dp, .defer_fsdp_grad_sync = cfg.distributed.defer_fsdp_grad_sync, .loss_comm = loss_comm});
   return r;
 }
 

@@ -27,7 +27,10 @@ struct Run {
   ParallelDims dims;
   std::shared_ptr<Communicator> world;
   Meshes meshes;
-  std::shared_ptr<LlamaForCausalLM> model;
+  std::shared_ptr<LlamaForCausalLM> model;  // stages[0]
+  std::vector<std::shared_ptr<LlamaForCausalLM>> stages;  // the whole model, or this rank's pipeline stages
+  std::shared_ptr<Communicator> pp_comm;   // pipeline ranks (pp > 1)
+  double flops_per_token = 0;              // of the whole model, forward + backward
   DataParallelism dp;
   std::unique_ptr<TrainStep> step;
   std::vector<Tensor> params;  // what the optimizer updates (sharded under FSDP)

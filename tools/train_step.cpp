@@ -54,4 +54,66 @@ double LocalTrainStep::evaluate(const std::vector<Batch>& micro_batches) {
   return global_mean(sum, micro_batches.size());
 }
 
+PipelineTrainStep::PipelineTrainStep(pipeline::Lowered lists, std::vector<pipeline::StageRef> stages, int num_stages,
+                                     PipelineStepOptions opts)
+    : opts_(std::move(opts)) {
+  runner_ = std::make_unique<pipeline::PipelineRunner>(
+      std::move(lists), opts_.pp_comm, std::move(stages), num_stages,
+      [this](const Tensor& logits, const Tensor& targets) { return causal_lm_loss(logits, targets) * scale_; });
+}
+
+std::vector<pipeline::MicroBatch> PipelineTrainStep::cut(const Batch& b) const {
+  const int64_t rows = b.inputs.size(0);
+  QUILT_CHECK(rows % opts_.rows == 0, "[pipeline] a micro-batch of ", rows,
+              " sequences does not divide into distributed.pipeline.pp_microbatch_size ", opts_.rows);
+  std::vector<pipeline::MicroBatch> out;
+  for (int64_t r = 0; r < rows; r += opts_.rows) {
+    const Tensor tokens = b.inputs.narrow(0, r, opts_.rows).contiguous();
+    out.push_back({tokens, b.targets.narrow(0, r, opts_.rows).contiguous(), default_positions(tokens)});
+  }
+  return out;
+}
+
+// The last stage's loss sum, shared over the pipeline ranks, then averaged over the ranks that
+// saw different tokens.
+double PipelineTrainStep::shared_mean(double local_sum, size_t count) {
+  Tensor t = scalar_tensor(local_sum / double(std::max<size_t>(1, count)), {.dtype = DType::f64});
+  opts_.pp_comm->all_reduce(t, ReduceOp::sum);
+  if (opts_.loss_comm && opts_.loss_comm->size() > 1) opts_.loss_comm->all_reduce(t, ReduceOp::avg);
+  return t.item<double>();
+}
+
+double PipelineTrainStep::run(const std::vector<Batch>& micro_batches) {
+  double sum = 0;
+  size_t count = 0;
+  for (size_t i = 0; i < micro_batches.size(); ++i) {
+    const std::vector<pipeline::MicroBatch> mbs = cut(micro_batches[i]);
+    const double n = double(mbs.size() * micro_batches.size());
+    scale_ = opts_.scale_in_schedule ? 1.0 : 1.0 / n;
+    // The runner sums the losses as the gradients saw them; undo the scaling for the mean.
+    sum += runner_->run(mbs, /*sync=*/i + 1 == micro_batches.size()) / scale_;
+    count += mbs.size();
+  }
+  if (opts_.scale_in_schedule) {
+    const double n = double(count);
+    for (const Tensor& p : opts_.params) {
+      Tensor g = p.grad();
+      if (g.defined()) (g.is_distributed() ? g.local() : g).mul_(1.0 / n);
+    }
+  }
+  return shared_mean(sum, count);
+}
+
+double PipelineTrainStep::evaluate(const std::vector<Batch>& micro_batches) {
+  double sum = 0;
+  size_t count = 0;
+  scale_ = 1;
+  for (const Batch& b : micro_batches) {
+    const std::vector<pipeline::MicroBatch> mbs = cut(b);
+    sum += runner_->evaluate(mbs);
+    count += mbs.size();
+  }
+  return shared_mean(sum, count);
+}
+
 }  // namespace quilt

@@ -14,6 +14,7 @@
 #include "collectives/communicator.h"
 #include "engine/nn/module.h"
 #include "parallel/data_parallel.h"
+#include "parallel/pipeline/runtime.h"
 #include "tools/data.h"
 
 namespace quilt {
@@ -58,6 +59,35 @@ class LocalTrainStep : public TrainStep {
   double global_mean(double local_sum, size_t count);
   LMForward forward_;
   StepHooks hooks_;
+};
+
+/// The step of a pipeline-parallel model: each data-parallel micro-batch is cut into pipeline
+/// micro-batches of `rows` sequences and run through this rank's schedule (parallel/pipeline).
+/// The loss is the mean over every sequence of the step, as without a pipeline; it is computed
+/// on the last stage and shared over the pipeline ranks (`pp_comm`), then averaged like
+/// LocalTrainStep's (`loss_comm`). With `scale_in_schedule` the micro-batch losses are not
+/// scaled and the schedule divides the gradients by the micro-batch count once, at the end.
+struct PipelineStepOptions {
+  int64_t rows = 1;  // distributed.pipeline.pp_microbatch_size
+  bool scale_in_schedule = false;
+  std::shared_ptr<Communicator> pp_comm, loss_comm;
+  std::vector<Tensor> params;  // this rank's parameters, for scale_in_schedule
+};
+
+class PipelineTrainStep : public TrainStep {
+ public:
+  /// `lists`: every pipeline rank's lowered schedule; `stages`: the stages it puts on this rank.
+  PipelineTrainStep(pipeline::Lowered lists, std::vector<pipeline::StageRef> stages, int num_stages,
+                    PipelineStepOptions opts);
+  double run(const std::vector<Batch>& micro_batches) override;
+  double evaluate(const std::vector<Batch>& micro_batches) override;
+
+ private:
+  std::vector<pipeline::MicroBatch> cut(const Batch& b) const;
+  double shared_mean(double local_sum, size_t count);
+  std::unique_ptr<pipeline::PipelineRunner> runner_;
+  PipelineStepOptions opts_;
+  double scale_ = 1;  // of each micro-batch loss in the current step
 };
 
 }  // namespace quilt

@@ -53,12 +53,12 @@ void check_skipped(const Run& r) {
 
 double validation_loss(Run& r) {
   if (!r.val_loader) return -1;
-  r.model->eval();
+  for (const auto& m : r.stages) m->eval();
   r.val_loader->reset();
   double total = 0;
   const int64_t n = std::max<int64_t>(1, r.cfg.train.eval_steps);
   for (int64_t s = 0; s < n; ++s) total += r.step->evaluate(r.val_loader->next_step());
-  r.model->train();
+  for (const auto& m : r.stages) m->train();
   return total / double(n);
 }
 
@@ -72,22 +72,23 @@ StepMetrics train_step(Run& r) {
   r.opt->set_lr(m.lr);
   const double waited = r.dp.fsdp ? r.dp.fsdp->all_gather_wait_seconds() : 0;
   const std::vector<Batch> batches = r.loader->next_step();
-  set_moe_aux_loss_scale(*r.model, 1.0 / double(std::max<size_t>(1, batches.size())));
+  for (const auto& s : r.stages) set_moe_aux_loss_scale(*s, 1.0 / double(std::max<size_t>(1, batches.size())));
   m.loss = r.step->run(batches);
   if (r.dp.fsdp) m.gather_wait_s = r.dp.fsdp->all_gather_wait_seconds() - waited;
-  m.grad_norm = dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY)).item<double>();
+  m.grad_norm =
+      dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, r.pp_comm.get()).item<double>();
   m.skipped = !(std::isfinite(m.loss) && std::isfinite(m.grad_norm));
   if (!m.skipped) r.opt->step();
   else log_line("step ", r.step_count + 1, ": non-finite ", std::isfinite(m.loss) ? "gradient norm" : "loss", ", step skipped on every rank");
   r.skipped_in_a_row = m.skipped ? r.skipped_in_a_row + 1 : 0;
   r.opt->zero_grad();
   // Aux-loss-free balancing: once per optimizer step, from the step's global expert load.
-  m.moe_load = update_moe_load_balance(*r.model);
+  for (const auto& s : r.stages) m.moe_load = std::max(m.moe_load, update_moe_load_balance(*s));
   m.step = ++r.step_count;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = double(r.cfg.train.global_batch_size * r.cfg.train.seq_len);
   m.tps = tokens / secs;
-  m.tflops = r.model->flops_per_token(r.cfg.train.seq_len) * tokens / double(r.world->size()) / secs / 1e12;
+  m.tflops = r.flops_per_token * tokens / double(r.world->size()) / secs / 1e12;
   m.mfu = m.tflops / peak_tflops_per_rank();
   m.memory_gib = double(cpu_memory_stats().peak_allocated) / double(int64_t(1) << 30);
   return m;
@@ -113,7 +114,7 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
   std::optional<MetricsLog> metrics;
   agree(*r.world, "opening logging.dir", [&] { metrics.emplace(cfg.logging, r.world->rank()); });
   TrainResult result;
-  r.model->train();
+  for (const auto& s : r.stages) s->train();
   const int64_t last = stop_after >= 0 ? std::min(stop_after, cfg.train.steps) : cfg.train.steps;
   while (r.step_count < last) {
     StepMetrics m = train_step(r);

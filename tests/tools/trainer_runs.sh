@@ -36,6 +36,13 @@ case "$mode" in
     # per step, compounding through 8 Adam steps; 1e-4 bounds it with margin.
     "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 1e-4
     ;;
+  equivalence_deep)
+    # As equivalence, with 6 layers in both runs (enough for 8 pipeline stages).
+    layout=$1; np=$2; shift 2
+    run one 1 --set train.steps=8 --set model.num_hidden_layers=6
+    run "$layout" "$np" --set train.steps=8 --set model.num_hidden_layers=6 "$@"
+    "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 1e-4
+    ;;
   equivalence_bf16)
     # bf16 compute (f32 masters, f32 loss): both runs round the same products to bf16 except
     # where the layout splits a reduction, so the curves agree to bf16's 2^-8 relative step.

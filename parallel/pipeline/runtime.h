@@ -1,0 +1,90 @@
+// The pipeline runtime: runs one pipeline rank's lowered action list (schedule.h) over the
+// stages this rank holds, for one step's micro-batches. Forwards keep their input and output
+// until the micro-batch's backward; sends and receives are asynchronous (a receive is waited on
+// where its tensor is first needed; every send before the step returns), each tensor preceded
+// by its shape, so micro-batches of different lengths pass; two stages on one rank hand tensors
+// over directly. The last stage computes each micro-batch's loss. A stage's gradient
+// synchronisation (FSDP, DDP) is switched on only for its last backward of the step.
+//
+//   Lowered lists = lower(make_schedule("1f1b", pp, m));
+//   PipelineRunner runner(lists, pp_comm, {{.stage = s, .forward = fwd, .dp = dp}}, n_stages, loss_fn);
+//   double loss_sum = runner.run(microbatches);   // last stage: sum of the losses; others: 0
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "engine/autograd.h"
+#include "parallel/data_parallel.h"
+#include "parallel/pipeline/schedule.h"
+
+namespace quilt::pipeline {
+
+/// One stage held by this rank.
+struct StageRef {
+  int stage = 0;
+  /// Tokens (first stage) or hidden states, and positions -> hidden states, or logits on the last stage.
+  std::function<Tensor(const Tensor& x, const Tensor& positions)> forward;
+  DataParallelism dp;  // the stage's gradient synchronisation, if any
+};
+
+/// A pipeline micro-batch: tokens (first stage), targets (last stage) and positions (every stage).
+struct MicroBatch {
+  Tensor tokens, targets, positions;
+};
+
+/// loss(logits, targets) of one micro-batch, as the gradients should see it (scaled).
+using StageLoss = std::function<Tensor(const Tensor& logits, const Tensor& targets)>;
+
+class PipelineRunner {
+ public:
+  /// `lists` is the lowered schedule of every rank; this rank is comm.rank() of the pipeline
+  /// communicator `comm` (one rank per pipeline rank). Throws when `stages` are not the stages
+  /// the schedule puts on this rank.
+  PipelineRunner(Lowered lists, std::shared_ptr<Communicator> comm, std::vector<StageRef> stages, int num_stages,
+                 StageLoss loss);
+  /// Runs this rank's list over `mbs` (as many as the schedule's micro-batches); returns the
+  /// sum of the last stage's micro-batch losses on the rank that holds it, 0 elsewhere. With
+  /// `sync` false no stage synchronises gradients (an accumulation step before the last).
+  double run(const std::vector<MicroBatch>& mbs, bool sync = true);
+  /// The forwards (and their transfers) of the list only, without gradients: the loss sum as run().
+  double evaluate(const std::vector<MicroBatch>& mbs);
+  /// The stages of this rank, in the order given.
+  const std::vector<StageRef>& stages() const { return stages_; }
+  /// The rank that holds each stage.
+  const std::vector<int>& stage_ranks() const { return ranks_; }
+
+ private:
+  struct Slot {  // one stage's state for one micro-batch
+    Tensor input;        // leaf (requires grad) unless this is the first stage
+    Tensor output;       // the stage's output (loss on the last stage)
+    Tensor grad_output;  // received from (or handed over by) the next stage
+    DeferredBackward rest;  // after I, what W computes
+    Work pending;           // a receive not yet waited on (into input or grad_output)
+    std::vector<Work> sends;
+  };
+  StageRef& stage(int s);
+  Slot& slot(int s, int m) { return slots_[{s, m}]; }
+  void forward(const Action& a, const std::vector<MicroBatch>& mbs);
+  void backward(const Action& a);
+  void send(const Action& a);
+  void recv(const Action& a, const std::vector<MicroBatch>& mbs);
+  int tag(const Action& a, bool header) const;
+
+  double walk(const std::vector<MicroBatch>& mbs, bool backward, bool sync);
+  Lowered lists_;
+  std::shared_ptr<Communicator> comm_;
+  std::vector<StageRef> stages_;
+  int num_stages_;
+  StageLoss loss_;
+  std::vector<int> ranks_;
+  std::map<std::pair<int, int>, Slot> slots_;
+  std::map<int, int> last_backward_;  // stage -> index in this rank's list of its last B or W
+  int n_microbatches_ = 0;
+  double loss_sum_ = 0;
+};
+
+}  // namespace quilt::pipeline
