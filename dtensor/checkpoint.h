@@ -111,7 +111,8 @@ namespace detail {
 /// write part of the file and kill the process, or throw). Empty to remove.
 void set_checkpoint_fault_hook(std::function<void(const std::string& path, int rank)> hook);
 /// Test hook: runs on each rank before every block a load or import reads, with the file entry
-/// (the tensor's name in that safetensors file) and the block's start and sizes in the entry.
+/// (the tensor's name in that safetensors file) and the block's start and sizes in the entry
+/// (the whole chunk the first time a load reads a chunk that has a checksum, to verify it).
 /// Called from every rank's thread at once under the threads backend. Empty to remove.
 void set_checkpoint_read_hook(
     std::function<void(const std::string& entry, const Shape& start, const Shape& sizes, int rank)> hook);
