@@ -17,6 +17,7 @@
 
 #include "collectives/launch.h"
 #include "engine/error.h"
+#include "engine/io/safetensors.h"
 #include "parallel/pipeline/schedule.h"
 #include "tools/tokenizer.h"
 
@@ -372,6 +373,9 @@ struct Str {
   void read(std::string& out, const YAML::Node& n, const std::string& k, const Context& c) const {
     if (!n.IsScalar()) bad_type(c, k, n, "a string");
     out = n.Scalar();
+    // yaml-cpp reads any bytes but writes U+FFFD for invalid UTF-8, so recipe_to_yaml would change the value.
+    if (const size_t bad = first_invalid_utf8(out); bad != std::string::npos)
+      fail("[config] ", k, ": the value is not valid UTF-8 (byte ", bad, ")", c.where(k, n));
     QUILT_CHECK(!nonempty || !out.empty(), "[config] ", k, ": expected ", nonempty, ", got ''", c.where(k, n));
   }
   Item write(const std::string& v) const { return scalar(v, is_none_word(v)); }

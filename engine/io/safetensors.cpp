@@ -61,10 +61,10 @@ constexpr const char* kForeignDTypes[] = {"U8",      "I8",      "U16",     "I16"
                                           "F6_E2M3", "F6_E3M2", "C64",     "F8_E4M3FNUZ", "F8_E5M2FNUZ"};
 constexpr const char* kSupportedList = "F32, F16, BF16, F64, I32, I64, BOOL";
 
+}  // namespace
+
 // ---- UTF-8 -----------------------------------------------------------------------------
 
-// Index of the first byte that breaks UTF-8 (overlongs, surrogates and > U+10FFFF included),
-// or npos when `s` is valid.
 size_t first_invalid_utf8(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const size_t n = s.size();
@@ -91,6 +91,8 @@ size_t first_invalid_utf8(std::string_view s) {
   }
   return std::string_view::npos;
 }
+
+namespace {
 
 // ---- file descriptors ------------------------------------------------------------------
 

@@ -78,6 +78,10 @@ const char* safetensors_dtype_name(DType dtype);
 /// unsupported ones (`what` prefixes the message, e.g. the file and tensor).
 DType parse_safetensors_dtype(const std::string& name, const std::string& what = "[safetensors]");
 
+/// Index of the first byte of `s` that breaks UTF-8 (overlongs, surrogates and > U+10FFFF
+/// included), or npos when `s` is valid: headers must be UTF-8, and so must recipe strings.
+size_t first_invalid_utf8(std::string_view s);
+
 /// Reads and validates only the header of `path` (the byte buffer is not read).
 SafetensorsIndex read_safetensors_index(const std::string& path);
 /// Validates `file_bytes` as a whole safetensors file held in memory; `name` appears in errors.
