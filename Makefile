@@ -4,7 +4,7 @@ PREFIX  ?= $(CURDIR)/$(BUILD)/install
 JOBS    ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all deps configure build test demo bench install examples clean
+.PHONY: all deps configure build test demo bench install examples clean test-sanitize fuzz
 
 all: build
 
@@ -45,6 +45,34 @@ test: build examples
 	$(BUILD)/examples/tiny_regression
 	@env -u LD_LIBRARY_PATH $(PREFIX)/bin/quilt --help > /dev/null || \
 	  { echo "installed $(PREFIX)/bin/quilt does not run (missing RPATH to libquilt?)"; exit 1; }
+
+# Sanitizers (cmake/QuiltSanitize.cmake): `make test-sanitize` builds the suites with gcc's ASan +
+# UBSan and runs the unit suites and a short multi-rank subset (SANITIZE_TESTS=unit|mpi|all,
+# tests/sanitize/run.sh). `make fuzz` builds the libFuzzer targets of tests/fuzz/ with clang (the
+# same sanitizers plus coverage; clang 14 cannot compile the test suites, which capture
+# structured bindings in lambdas) and runs each for FUZZ_SECONDS (tests/fuzz/run.sh).
+SANITIZE_BUILD ?= build-asan
+SANITIZE_TESTS ?= all
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 60
+SANITIZE_FLAGS = -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQUILT_SANITIZE=address,undefined -DQUILT_CUDA=OFF \
+  -DQUILT_BUILD_BENCH=OFF $(CMAKE_ARGS)
+SANITIZE_TARGETS = engine_tests kernels_tests collectives_tests dtensor_tests parallel_tests models_tests \
+  tools_tests collectives_mpi_suite dtensor_mpi
+FUZZ_TARGETS = $(patsubst tests/fuzz/%.cpp,%,$(wildcard tests/fuzz/*_fuzz.cpp))
+
+test-sanitize: deps
+	@[ -f $(SANITIZE_BUILD)/build.ninja ] || cmake -S . -B $(SANITIZE_BUILD) -G Ninja $(SANITIZE_FLAGS) \
+	  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG"
+	cmake --build $(SANITIZE_BUILD) -j $(JOBS) --target $(SANITIZE_TARGETS)
+	bash tests/sanitize/run.sh $(SANITIZE_BUILD) $(SANITIZE_TESTS)
+
+fuzz: deps
+	@[ -f $(FUZZ_BUILD)/build.ninja ] || cmake -S . -B $(FUZZ_BUILD) -G Ninja $(SANITIZE_FLAGS) \
+	  -DCMAKE_CXX_COMPILER=clang++ "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -gline-tables-only -DNDEBUG" \
+	  -DQUILT_FUZZ=ON -DQUILT_BUILD_TESTS=OFF
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(FUZZ_TARGETS)
+	bash tests/fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
 demo: build
 	@bash tools/demo.sh $(BUILD)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs tests of a sanitizer build (cmake -DQUILT_SANITIZE=address,undefined; `make test-sanitize`)
+# with every report fatal: run.sh BUILD_DIR [unit|mpi|all]
+#   unit: the doctest suites of every folder (the threads-backend collectives among them)
+#   mpi:  a short multi-rank subset under mpiexec (collectives suite, redistribute, a checkpoint
+#         saved at 4 ranks and loaded at 2)
+#   all:  both (the default)
+set -euo pipefail
+build=$1 subset=${2:-all}
+unit='^(engine|kernels|collectives|dtensor|parallel|models|tools)\.'
+mpi='^(collectives: MPI suite on (2 ranks|3 ranks with debug checks)|dtensor: redistribute round-trips on 4 ranks|dtensor: checkpoint from 4 ranks loads at 2 ranks)$'
+case $subset in
+  unit) regex=$unit ;;
+  mpi) regex=$mpi ;;
+  all) regex="$unit|$mpi" ;;
+  *) echo "run.sh: unknown subset '$subset' (unit, mpi or all)" >&2; exit 2 ;;
+esac
+source "$(dirname "$0")/env.sh"
+cd "$build"
+ctest --output-on-failure -j "$(nproc)" --timeout 1800 -R "$regex"
