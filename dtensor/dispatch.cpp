@@ -39,6 +39,7 @@ const Registry& registry() {
     register_nn_rules(reg);
     register_index_rules(reg);
     register_moe_rules(reg);
+    register_attention_rules(reg);
     return reg;
   }();
   return r;

@@ -108,6 +108,7 @@ void register_view_rules(Registry& r);
 void register_nn_rules(Registry& r);
 void register_index_rules(Registry& r);
 void register_moe_rules(Registry& r);
+void register_attention_rules(Registry& r);
 
 // ---- helpers shared by the rule files ----
 

@@ -57,12 +57,35 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 /// rotate_half does. The tables are cast to x's dtype (then computed in f32 for bf16/f16 x).
 /// Returns a contiguous tensor of x's shape.
 Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin);
+/// What scaled_dot_product_attention masks and how it scales. Causal and document masks combine:
+/// a query sees a key only when both allow it.
+struct AttentionOptions {
+  bool causal = false;
+  std::optional<double> scale{};           // default 1/sqrt(D)
+  std::optional<int64_t> causal_offset{};  // causal: query i sees key j iff j <= i + offset; default S - T
+  Tensor document_ids{};      // (B, T) i32/i64: a query sees only keys of its own document
+  Tensor key_document_ids{};  // (B, S) the keys' documents, when S != T (a KV cache, a ring step)
+  Tensor cu_seqlens{};        // (N + 1) i32/i64, instead of document_ids: document r is tokens
+                              // [cu[r], cu[r + 1]) of every batch row, 0 = cu[0] <= ... <= cu[N] = T
+  bool composite = false;     // run the composite of matmul/softmax/where (what CUDA tensors run)
+};
+/// An attention output with each query's log-sum-exp, so partial attentions over disjoint key
+/// ranges merge: lse = logaddexp(lse1, lse2), out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2.
+struct AttentionOutput {
+  Tensor out;  // (B, Hq, T, Dv)
+  Tensor lse;  // (B, Hq, T): log(sum_j exp(scale q_i.k_j)) over the keys seen, -inf where none; f32 (f64 for f64)
+};
 /// Scaled dot-product attention. q (B, Hq, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) with Hq a
 /// multiple of Hkv (grouped-query heads: query head h reads kv head h / (Hq / Hkv); k and v are
-/// never copied per query head). `mask` (bool, broadcastable to (B, Hq, T, S), true = attend)
-/// optional; `causal` lets query i see keys j <= i + (S - T) (aligned at the end when S != T).
-/// `scale` defaults to 1/sqrt(D). A query that may attend no key gets zeros (and zero gradients),
-/// not NaN. Returns (B, Hq, T, Dv).
+/// never copied per query head). A query that may attend no key gets zeros (and zero
+/// gradients), not NaN. On CPU a fused primitive (flash-style: tiles with an online softmax,
+/// no (T, S) matrix kept; the backward recomputes from lse); both outputs carry gradients.
+/// Call it with designated options, `scaled_dot_product_attention(q, k, v, {.causal = true})`.
+AttentionOutput scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const AttentionOptions& options);
+/// The output alone, with an optional bool `mask` (broadcastable to (B, Hq, T, S), true = attend,
+/// which runs the composite); `causal` lets query i see keys j <= i + (S - T) (aligned at the end
+/// when S != T). `scale` defaults to 1/sqrt(D). Returns (B, Hq, T, Dv).
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& mask = {}, bool causal = false,
                                     std::optional<double> scale = std::nullopt);

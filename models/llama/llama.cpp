@@ -250,7 +250,7 @@ Tensor LlamaAttention::forward_rope(const Tensor& x, const Tensor& cos, const Te
   Tensor v = (*v_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
   q = rotary_embedding(q, cos, sin);
   k = rotary_embedding(k, cos, sin);
-  Tensor y = scaled_dot_product_attention(q, k, v, {}, /*causal=*/true);
+  Tensor y = scaled_dot_product_attention(q, k, v, {.causal = true}).out;
   return (*o_proj)(y.transpose(1, 2).reshape({b, t, -1}));
 }
 
