@@ -66,15 +66,21 @@ bool suspect(const std::string& dir) {
   return it != meta.end() && it->second != "no";
 }
 
-// keep_last: the newest `keep` good checkpoints stay, with any suspect one newer than the
-// oldest of them; everything older goes.
-void prune(const std::string& root, int64_t keep) {
+// The trainer's checkpoint directories under `root` (step_N, complete or not), oldest first.
+std::vector<std::string> step_dirs(const std::string& root) {
   std::vector<std::string> all;
   for (const auto& e : fs::directory_iterator(root)) {
     const std::string n = e.path().filename().string();
     if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos) all.push_back(e.path().string());
   }
   std::sort(all.begin(), all.end());
+  return all;
+}
+
+// keep_last: the newest `keep` good checkpoints stay, with any suspect one newer than the
+// oldest of them; everything older goes.
+void prune(const std::string& root, int64_t keep) {
+  const std::vector<std::string> all = step_dirs(root);
   int64_t good = 0;
   size_t oldest_kept = all.size();
   for (size_t i = all.size(); i-- > 0 && good < keep;)
@@ -183,6 +189,19 @@ void export_consolidated(Run& r, const std::string& root) {
 
 std::string latest_checkpoint(const std::string& dir) {
   if (dir.empty() || !fs::exists(dir)) return "";
+  // The newest complete checkpoint whose weights are finite (one saved with non-finite weights
+  // would be refused by the load; an earlier one continues the run).
+  const std::vector<std::string> all = step_dirs(dir);
+  for (size_t i = all.size(); i-- > 0;) {
+    if (!fs::exists(fs::path(all[i]) / "index.json")) continue;
+    const auto meta = dtensor::read_checkpoint_info(all[i]).metadata;
+    auto it = meta.find("trainer.suspect");
+    if (it != meta.end() && it->second == "non-finite weights") {
+      log_line("checkpoint: passing over ", all[i], " (saved with non-finite weights)");
+      continue;
+    }
+    return all[i];
+  }
   return dtensor::latest_checkpoint(dir);
 }
 

@@ -126,6 +126,16 @@ case "$mode" in
     blowup inf 1e39
     grep -q "validation: step 2  loss: nan" "$work/inf.log" || { echo "validation did not print nan"; exit 1; }
     grep -q "saved .*step_00000001 (non-finite weights: not counted by keep_last)" "$work/inf.log" || exit 1
+    # Resuming passes over checkpoints with non-finite weights: here every one has them, so the
+    # load of the newest is refused, naming the tensor.
+    set +e
+    "${mpi[@]}" -n 2 "$quilt" train "${common[@]}" --set "logging.dir=$work/again" --set train.steps=6 \
+      --set "checkpoint.dir=$work/inf/ck" --set checkpoint.resume=auto > "$work/again.log" 2>&1
+    rc=$?
+    set -e
+    cat "$work/again.log"
+    [ $rc -ne 0 ] && grep -q "passing over .*step_00000003 (saved with non-finite weights)" "$work/again.log" &&
+      grep -q "(a floating tensor must load finite values)" "$work/again.log" || { echo "resume did not refuse"; exit 1; }
     ;;
   pretrained)
     # Start from Hugging Face weights (model.pretrained): a 3-step run exports HF files; loading
