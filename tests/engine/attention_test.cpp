@@ -4,6 +4,8 @@
 // the memory its backward keeps, its errors, and head/batch sharded distributed tensors.
 #include <doctest/doctest.h>
 
+#include <omp.h>
+
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -189,21 +191,29 @@ TEST_CASE("attention: the primitive agrees with the composite it replaced, gradi
   const Tensor k0 = randn({2, 2, 90, 8}, RngKey(6, "k"), {.dtype = DType::f64});
   const Tensor v0 = randn({2, 2, 90, 5}, RngKey(6, "v"), {.dtype = DType::f64});
   const Tensor qd = randint(0, 2, {2, 70}, RngKey(6, "qd")), kd = randint(0, 2, {2, 90}, RngKey(6, "kd"));
-  std::vector<Tensor> results[2];
-  for (bool composite : {false, true}) {
+  auto run = [&](bool composite) {
     Tensor q = q0.clone().set_requires_grad(), k = k0.clone().set_requires_grad(), v = v0.clone().set_requires_grad();
     const AttentionOutput r = scaled_dot_product_attention(
         q, k, v, {.causal = true, .document_ids = qd, .key_document_ids = kd, .composite = composite});
     // Weights on out and on the finite lse entries (rows that see nothing have none).
     const Tensor w = randn(r.out.shape(), RngKey(6, "w"), {.dtype = DType::f64});
-    const Tensor finite = gt(r.lse, scalar_like(-1e300, r.lse));
-    const Tensor lse = where(finite, r.lse, zeros({}, {.dtype = DType::f64}));
+    const Tensor lse = where(gt(r.lse, scalar_like(-1e300, r.lse)), r.lse, zeros({}, {.dtype = DType::f64}));
     (sum(r.out * w) + sum(lse * 0.3)).backward();
-    results[composite] = {r.out, r.lse, q.grad(), k.grad(), v.grad()};
+    return std::vector<Tensor>{r.out, r.lse, q.grad(), k.grad(), v.grad()};
+  };
+  const std::vector<Tensor> want = run(true);
+  // One thread: each task owns a kv head (4 of them); 16: key blocks, then query blocks.
+  const int threads = omp_get_max_threads();
+  std::vector<Tensor> got[2];
+  for (int i : {0, 1}) {
+    omp_set_num_threads(i == 0 ? 1 : 16);
+    got[i] = run(false);
   }
-  for (size_t i = 0; i < 5; ++i) {
+  omp_set_num_threads(threads);
+  for (size_t i = 0; i < want.size(); ++i) {
     INFO("result ", i);
-    CHECK(max_abs_diff(results[0][i], results[1][i]) < 1e-12);
+    CHECK(max_abs_diff(got[0][i], want[i]) < 1e-12);
+    CHECK(max_abs_diff(got[0][i], got[1][i]) == 0.0);  // the same sums in the same order
   }
 }
 
