@@ -153,6 +153,16 @@ quilt_trainer_test("pp 2 x fsdp 2 follows the one-rank loss curve" equivalence p
   --set distributed.pp_size=2 --set train.micro_batch_size=2)
 quilt_trainer_test("pp 2 x fsdp 2 zero_bubble follows the one-rank loss curve" equivalence pp2fsdp2zb 4
   --set distributed.pp_size=2 --set distributed.pipeline.pp_schedule=zero_bubble --set train.micro_batch_size=2)
+quilt_trainer_test("pp 2 x tp 2 follows the one-rank loss curve" equivalence pp2tp2 4
+  --set distributed.pp_size=2 --set distributed.tp_size=2 --set train.micro_batch_size=4)
+quilt_trainer_test("pp 2 x tp 2 with sequence parallel, zero_bubble, follows the one-rank loss curve" equivalence
+  pp2tp2sp 4 --set distributed.pp_size=2 --set distributed.tp_size=2 --set distributed.sequence_parallel=true
+  --set distributed.pipeline.pp_schedule=zero_bubble --set train.micro_batch_size=4)
+quilt_trainer_test("pp 2 x dp 2 x tp 2 (8 ranks) follows the one-rank loss curve" equivalence pp2dp2tp2 8
+  --set distributed.pp_size=2 --set distributed.tp_size=2 --set train.micro_batch_size=2)
+quilt_trainer_test("pp 2 zero_bubble with activation checkpointing follows the one-rank loss curve" equivalence pp2ac 2
+  --set distributed.pp_size=2 --set distributed.activation_checkpointing=true
+  --set distributed.pipeline.pp_schedule=zero_bubble --set train.micro_batch_size=4)
 # The pipeline's rules, refused before work and naming the keys.
 function(quilt_pp_rule_test name expect)
   add_test(NAME "trainer: pp rule: ${name}"

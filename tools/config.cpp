@@ -986,8 +986,8 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
                 " exceeds model.num_hidden_layers ", m.num_hidden_layers,
                 " (every pipeline stage needs at least one layer)");
     const PipelineConfig& pc = cfg.distributed.pipeline;
-    QUILT_CHECK(dims.tp() == 1 && dims.cp() == 1 && dims.ep() == 1, "[config] distributed.pp_size ", dims.pp(),
-                " with tp_size, cp_size or ep_size > 1 is not implemented yet");
+    QUILT_CHECK(dims.cp() == 1 && dims.ep() == 1, "[config] distributed.pp_size ", dims.pp(),
+                " with cp_size or ep_size > 1 is not implemented yet");
     QUILT_CHECK(!cfg.checkpoint.dir, "[config] checkpoint.dir with distributed.pp_size ", dims.pp(),
                 ": checkpoints of pipeline stages are not implemented yet");
     // The schedule's own rules (micro-batch count), named by make_schedule.

@@ -163,6 +163,8 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
     if (!deferred) m->init_weights(uint64_t(t.seed));
     DataParallelism dp = parallelize_llama(*m, r->meshes, cfg.distributed, popts);
     if (deferred) m->init_weights(uint64_t(t.seed));
+    // Under tp the residual stream between blocks (so between stages) is each rank's plain
+    // shard (the tp plan lays it out at every block's input), so it travels as it is.
     LlamaForCausalLM* raw = m.get();
     refs.push_back({.stage = s, .forward = [raw](const Tensor& x, const Tensor& pos) { return (*raw)(x, pos); }, .dp = dp});
     r->stages.push_back(m);
