@@ -288,6 +288,11 @@ SafetensorsIndex parse_header(std::string_view header, uint64_t file_size, const
         bad_tensor(path, name, "shape ", e.shape, " overflows a 64-bit byte count");
     if (bytes > uint64_t(std::numeric_limits<int64_t>::max()))
       bad_tensor(path, name, "shape ", e.shape, " needs ", bytes, " bytes, more than a tensor can hold");
+    // An empty shape passes the byte count, but its strides (the products of the trailing dims,
+    // e.g. (0, 2^62, 2^62)) must still fit the int64 a tensor keeps them in.
+    for (int64_t d = int64_t(e.shape.size()) - 1, stride = 1; d > 0; --d)
+      if (__builtin_mul_overflow(stride, e.shape[size_t(d)], &stride))
+        bad_tensor(path, name, "shape ", e.shape, " holds no element but its strides overflow 64 bits");
     if (bytes != e.nbytes())
       bad_tensor(path, name, "byte size mismatch: shape ", e.shape, " of ", jd.get<std::string>(), " needs ", bytes,
                  " bytes but data_offsets [", e.begin, ", ", e.end, "] hold ", e.nbytes());
