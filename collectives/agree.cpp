@@ -46,31 +46,18 @@ void agree(Communicator& comm, const std::string& what, const std::function<void
     return;
   }
   if (error.size() > kMaxMessage) error = error.substr(0, kMaxMessage) + " [...]";
-  Tensor longest = from_vector({failed ? double(error.size() + 1) : 0.0}, {1}, {.dtype = DType::i64});
-  comm.all_reduce(longest, ReduceOp::max);
-  const int64_t width = longest.data<int64_t>()[0];
-  if (width == 0) return;
-
-  // Someone failed: gather every rank's message (empty where the step succeeded), padded to
-  // the longest, as one character per i32.
-  Tensor mine = zeros({width}, {.dtype = DType::i32});
-  int32_t* m = mine.data<int32_t>();
-  if (failed) {
-    m[0] = 1;
-    for (size_t i = 0; i < error.size(); ++i) m[i + 1] = static_cast<unsigned char>(error[i]);
-  }
-  Tensor all = zeros({int64_t(comm.size()) * width}, {.dtype = DType::i32});
-  comm.all_gather(all, mine);
+  Tensor any = from_vector({failed ? 1.0 : 0.0}, {1}, {.dtype = DType::i64});
+  comm.all_reduce(any, ReduceOp::max);
+  if (any.data<int64_t>()[0] == 0) return;
+  // Someone failed: every rank's message ("" where the step succeeded).
+  const std::vector<std::string> texts = all_gather_text(comm, failed ? "!" + error : std::string());
   // Ranks with the same message share a line: "ranks 0-3: ...".
-  const int32_t* a = all.data<int32_t>();
   std::vector<std::pair<std::string, std::vector<int>>> errors;
   for (int r = 0; r < comm.size(); ++r) {
-    const int32_t* row = a + int64_t(r) * width;
-    if (!row[0]) continue;
-    std::string text;
-    for (int64_t i = 1; i < width && row[i]; ++i) text += char(row[i]);
+    if (texts[size_t(r)].empty()) continue;
+    const std::string text = texts[size_t(r)].substr(1);
     auto same = std::find_if(errors.begin(), errors.end(), [&](const auto& e) { return e.first == text; });
-    if (same == errors.end()) errors.push_back({std::move(text), {r}});
+    if (same == errors.end()) errors.push_back({text, {r}});
     else same->second.push_back(r);
   }
   std::string msg = what + " failed on ";
@@ -84,6 +71,29 @@ void agree(Communicator& comm, const std::string& what, const std::function<void
     for (const auto& [text, ranks] : errors) msg += "\n  " + rank_list(ranks) + ": " + text;
   }
   throw AgreedError(msg, comm.rank() == 0);
+}
+
+std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text) {
+  if (comm.size() == 1) return {text};
+  Tensor longest = from_vector({double(text.size())}, {1}, {.dtype = DType::i64});
+  comm.all_reduce(longest, ReduceOp::max);
+  // Each text padded to the longest, one byte per i32, after its length.
+  const int64_t width = longest.data<int64_t>()[0] + 1;
+  Tensor mine = zeros({width}, {.dtype = DType::i32});
+  int32_t* m = mine.data<int32_t>();
+  m[0] = int32_t(text.size());
+  for (size_t i = 0; i < text.size(); ++i) m[i + 1] = static_cast<unsigned char>(text[i]);
+  Tensor all = zeros({int64_t(comm.size()) * width}, {.dtype = DType::i32});
+  comm.all_gather(all, mine);
+  std::vector<std::string> out;
+  const int32_t* a = all.data<int32_t>();
+  for (int r = 0; r < comm.size(); ++r) {
+    const int32_t* row = a + int64_t(r) * width;
+    std::string t(size_t(row[0]), '\0');
+    for (int32_t i = 0; i < row[0]; ++i) t[size_t(i)] = char(row[i + 1]);
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
 }  // namespace quilt

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "collectives/communicator.h"
 #include "engine/error.h"
@@ -31,5 +32,8 @@ class AgreedError : public Error {
 /// over `comm` (one small all-reduce when nothing failed). An AgreedError thrown by `step`
 /// itself (a nested agreement) is passed on as it is.
 void agree(Communicator& comm, const std::string& what, const std::function<void()>& step);
+
+/// Every rank's `text`, in rank order (collective over `comm`; two small collectives).
+std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
 
 }  // namespace quilt

@@ -33,6 +33,7 @@
 #include <set>
 #include <sstream>
 
+#include "collectives/agree.h"
 #include "collectives/launch.h"
 #include "dtensor/dtensor.h"
 #include "dtensor/sharding.h"
@@ -54,6 +55,8 @@ constexpr const char* kFormatV1 = "quilt-dcp/1";     // before checksums: loads 
 constexpr const char* kChunksKey = "quilt.chunks";   // shard metadata: tensor -> its chunk's offset
 constexpr const char* kSumsKey = "quilt.xxh3_64";    // shard metadata: tensor -> its chunk's checksum
 constexpr const char* kSumField = "xxh3_64";         // index: a chunk's checksum, 16 hex digits
+constexpr const char* kTensorsKey = "quilt.tensors";  // shard metadata: the writing rank's tensor list
+constexpr const char* kMetadataKey = "quilt.metadata";  // shard metadata: the writing rank's metadata
 
 // ---- the fault hook (tests) ----
 
@@ -636,6 +639,19 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
     }
   });
   agree(comm, ok, msg, dir, "checking its tensors");
+  // Ranks may hold different tensors (pipeline stages): a plain tensor is written by the lowest
+  // rank that holds it.
+  std::map<std::string, int> plain_writer;
+  {
+    std::string names;
+    for (const auto& [name, t] : state)
+      if (!t.is_distributed()) names += name + "\n";
+    const std::vector<std::string> all = all_gather_text(comm, names);
+    for (int r = 0; r < comm.size(); ++r) {
+      std::istringstream in(all[size_t(r)]);
+      for (std::string n; std::getline(in, n);) plain_writer.emplace(n, r);
+    }
+  }
   // Shards this rank writes: one copy of each block (coordinate 0 of every non-Shard axis).
   std::vector<std::pair<std::string, Tensor>> mine;
   json chunks = json::object();
@@ -663,7 +679,7 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
         }
       } else {
         info["placements"] = "plain";
-        if (rank == 0 && t.numel() > 0) {
+        if (plain_writer.at(name) == rank && t.numel() > 0) {
           mine.emplace_back(name, t);
           chunks[name] = Shape(size_t(t.dim()), 0);
         }
@@ -695,7 +711,8 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
       t = contiguous(t.to(Device::cpu()));  // hashed and written from the same host bytes
       sums[name] = checksum(t);
     }
-    save_safetensors(file, mine, {{kChunksKey, chunks.dump()}, {kSumsKey, sums.dump()}});
+    save_safetensors(file, mine, {{kChunksKey, chunks.dump()}, {kSumsKey, sums.dump()}, {kTensorsKey, tensors.dump()},
+                                  {kMetadataKey, json(metadata).dump()}});
   });
   agree(comm, ok, msg, dir, "writing its shards");
 
@@ -703,6 +720,9 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
   if (rank == 0)
     attempt(ok, msg, [&] {
       std::map<std::string, json> chunk_lists;  // name -> array of chunks
+      // The index lists every rank's tensors and metadata (rank 0's first; pipeline stages add theirs).
+      json all_tensors = json::array(), all_metadata = json::object();
+      std::map<std::string, std::pair<int, json>> listed;  // name -> (rank, its dtype and shape)
       for (int r = 0; r < comm.size(); ++r) {
         const std::string f = rank_file(r);
         const SafetensorsIndex idx = read_safetensors_index(tmp + "/" + f);
@@ -711,6 +731,17 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
           QUILT_CHECK(m != idx.metadata.end(), "[save_checkpoint] ", tmp, "/", f, " has no ", key, " metadata");
           return json::parse(m->second);
         };
+        const json rank_tensors = meta(kTensorsKey), rank_metadata = meta(kMetadataKey);
+        for (const json& t : rank_tensors) {
+          const std::string name = t.at("name").get<std::string>();
+          const json kind = {t.at("dtype"), t.at("shape")};
+          auto [it, fresh] = listed.emplace(name, std::make_pair(r, kind));
+          QUILT_CHECK(fresh || it->second.second == kind, "[save_checkpoint] tensor '", name, "' is ",
+                      it->second.second.dump(), " on rank ", it->second.first, " but ", kind.dump(), " on rank ", r);
+          if (fresh) all_tensors.push_back(t);
+        }
+        for (const auto& [k, v] : rank_metadata.items())
+          if (!all_metadata.contains(k)) all_metadata[k] = v;
         const json offs = meta(kChunksKey), sums = meta(kSumsKey);
         for (const SafetensorsEntry& e : idx.entries) {
           // A tensor on a sub-mesh is replicated over the ranks outside it, which write the same
@@ -723,7 +754,7 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
           if (!dup) list.push_back({{"file", f}, {"offset", off}, {"shape", e.shape}, {kSumField, sums.at(e.name)}});
         }
       }
-      for (json& t : tensors) {
+      for (json& t : all_tensors) {
         const std::string name = t.at("name").get<std::string>();
         t["chunks"] = chunk_lists.count(name) ? chunk_lists[name] : json::array();
         int64_t covered = 0;
@@ -731,7 +762,7 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
         QUILT_CHECK(covered == numel_of(shape_of(t.at("shape"))), "[save_checkpoint] tensor '", name, "': the ranks wrote ",
                     covered, " of its ", numel_of(shape_of(t.at("shape"))), " elements");
       }
-      json index = {{"format", kFormat}, {"world_size", comm.size()}, {"metadata", metadata}, {"tensors", tensors}};
+      json index = {{"format", kFormat}, {"world_size", comm.size()}, {"metadata", all_metadata}, {"tensors", all_tensors}};
       write_text_atomic(tmp + "/" + kIndexFile, index.dump(1), "save_checkpoint");
       fsync_path(tmp, true);
       commit(tmp, dir);

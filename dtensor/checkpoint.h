@@ -61,9 +61,12 @@ struct StackedName {
 };
 
 /// Saves `state` into directory `dir` (which must not exist yet, or is replaced). Collective
-/// over `comm`, which must contain every rank of every tensor's mesh (usually the world); all
-/// ranks pass the same names in the same order. Partial tensors are reduced first. `metadata`
-/// (step, config, ...) is stored in the index. Throws on every rank when any rank fails, leaving
+/// over `comm`, which must contain every rank of every tensor's mesh (usually the world). Ranks
+/// may hold different tensors (pipeline stages: each its own layers), but the ranks of one
+/// tensor's mesh pass it in the same order, and a plain tensor held by several ranks holds the
+/// same values on each (the lowest such rank writes it). Partial tensors are reduced first.
+/// `metadata` (step, config, ...) is stored in the index, every rank's keys merged (rank 0's
+/// value wins where two ranks give one key). Throws on every rank when any rank fails, leaving
 /// no "<dir>.tmp" and an earlier `dir` as it was.
 void save_checkpoint(const std::string& dir, const StateDict& state, Communicator& comm,
                      const std::map<std::string, std::string>& metadata = {});

@@ -163,6 +163,8 @@ quilt_trainer_test("pp 2 x dp 2 x tp 2 (8 ranks) follows the one-rank loss curve
 quilt_trainer_test("pp 2 zero_bubble with activation checkpointing follows the one-rank loss curve" equivalence pp2ac 2
   --set distributed.pp_size=2 --set distributed.activation_checkpointing=true
   --set distributed.pipeline.pp_schedule=zero_bubble --set train.micro_batch_size=4)
+quilt_trainer_test("pp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit; the pp 2 checkpoint resumes at 1 rank and fsdp 4"
+  resume_pp)
 # The pipeline's rules, refused before work and naming the keys.
 function(quilt_pp_rule_test name expect)
   add_test(NAME "trainer: pp rule: ${name}"

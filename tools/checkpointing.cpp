@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "collectives/agree.h"
 #include "collectives/launch.h"
@@ -100,7 +101,8 @@ void save_checkpoint(Run& r, const std::string& root) {
     if (r.world->rank() == 0) fs::create_directories(root);
   });
   dtensor::StateDict state;
-  for (auto& [name, t] : r.model->state_dict()) state.emplace_back("model." + name, t);
+  for (const auto& m : r.stages)  // pipeline stages: each rank its own layers, names global
+    for (auto& [name, t] : m->state_dict()) state.emplace_back("model." + name, t);
   OptimizerState os = r.opt->state_dict();
   for (auto& [name, t] : os.tensors) state.emplace_back("optim." + name, t);
   std::map<std::string, std::string> meta;
@@ -130,19 +132,32 @@ void load_checkpoint(Run& r, const std::string& dir) {
   agree(*r.world, "checkpoint load", [&] {
     info = dtensor::read_checkpoint_info(dir);
     dtensor::StateDict targets;
-    for (auto& [name, t] : r.model->state_dict()) targets.emplace_back("model." + name, t);
+    for (const auto& m : r.stages)
+      for (auto& [name, t] : m->state_dict()) targets.emplace_back("model." + name, t);
     // Optimizer moments take their parameter's layout; their names are "optim.state.<param>.<buffer>".
+    // Under a pipeline this rank holds some parameters; the others belong to other stages.
     std::map<std::string, Tensor> by_name;
     for (const Tensor& p : r.params) by_name[p.name()] = p;
+    std::set<std::string> model_params;
+    {
+      DeferredInitGuard no_storage;
+      for (const Tensor& p : LlamaForCausalLM(llama_config(r.cfg.model)).parameters()) model_params.insert(p.name());
+    }
+    // The parameter an "optim.<key>" entry belongs to ("" for param_groups and the like).
+    auto param_of = [](const std::string& key) {
+      if (key.rfind("state.", 0) != 0) return std::string();
+      const std::string rest = key.substr(6);
+      const auto dot = rest.rfind('.');
+      return dot == std::string::npos ? rest : rest.substr(0, dot);
+    };
     OptimizerState os;
     for (const auto& ti : info.tensors) {
       if (ti.name.rfind("optim.", 0) != 0) continue;
-      const std::string key = ti.name.substr(6);
-      const std::string rest = key.rfind("state.", 0) == 0 ? key.substr(6) : key;
-      const auto dot = rest.rfind('.');
-      auto it = by_name.find(dot == std::string::npos ? rest : rest.substr(0, dot));
-      QUILT_CHECK(it != by_name.end(), "[checkpoint] ", dir, ": optimizer tensor '", ti.name,
+      const std::string key = ti.name.substr(6), param = param_of(key);
+      QUILT_CHECK(model_params.count(param), "[checkpoint] ", dir, ": optimizer tensor '", ti.name,
                   "' belongs to no parameter of this model");
+      auto it = by_name.find(param);
+      if (it == by_name.end()) continue;  // another pipeline stage's
       const Tensor& p = it->second;
       Tensor local = zeros(p.local().shape(), {.dtype = ti.dtype, .device = p.device()});
       Tensor t = p.is_distributed() ? Tensor::make_distributed(local, p.dist_spec(), p.shape()) : local;
@@ -150,8 +165,11 @@ void load_checkpoint(Run& r, const std::string& dir) {
       os.tensors.insert(key, t);
     }
     dtensor::load_checkpoint(dir, targets);
-    for (auto& [k, v] : info.metadata)
-      if (k.rfind("optim.", 0) == 0) os.scalars.insert(k.substr(6), metadata_double(dir, k, v));
+    for (auto& [k, v] : info.metadata) {
+      if (k.rfind("optim.", 0) != 0) continue;
+      const std::string key = k.substr(6), param = param_of(key);
+      if (param.empty() || by_name.count(param)) os.scalars.insert(key, metadata_double(dir, k, v));
+    }
     r.opt->load_state_dict(os);
     r.step_count = metadata_int(info, dir, "trainer.step");
     auto loader = info.metadata.find("trainer.loader");
@@ -172,9 +190,15 @@ void export_consolidated(Run& r, const std::string& root) {
     const fs::path out = fs::path(root) / "hf";
     fs::create_directories(out);
     const std::string all_path = (out / "model.all.safetensors").string();
-    // Grouped experts go out as HF's one tensor per expert.
+    // Grouped experts go out as HF's one tensor per expert: those of every layer, so of the
+    // whole model (built without storage) when this rank holds only some pipeline stages.
     std::vector<dtensor::StackedName> stacks;
-    for (const ExpertStack& e : expert_stacks(*r.model)) stacks.push_back({"model." + e.name, "model." + e.pattern, e.count});
+    std::shared_ptr<LlamaForCausalLM> whole = r.model;
+    if (r.stages.size() != 1 || r.pp_comm) {
+      DeferredInitGuard no_storage;
+      whole = std::make_shared<LlamaForCausalLM>(llama_config(r.cfg.model));
+    }
+    for (const ExpertStack& e : expert_stacks(*whole)) stacks.push_back({"model." + e.name, "model." + e.pattern, e.count});
     dtensor::export_consolidated(src, all_path, uint64_t(5) << 30, stacks);
     SafetensorsFile all = load_safetensors(all_path, {.mmap = false});
     std::vector<std::pair<std::string, Tensor>> model;

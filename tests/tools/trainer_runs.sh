@@ -95,6 +95,22 @@ case "$mode" in
     grep -q "step skipped on every rank" "$work/blowup.log" || { cat "$work/blowup.log"; echo "no skip message"; exit 1; }
     grep -q '"skipped":true' "$work/blowup/metrics.jsonl" || { cat "$work/blowup/metrics.jsonl"; exit 1; }
     ;;
+  resume_pp)
+    # Under pp 2 (1f1b): 10 steps straight equal 5, resume, 5 more, bit for bit; the pp 2
+    # checkpoint of step 5 resumes at one rank and at fsdp 4 and follows the straight curve.
+    pp=(--set distributed.pp_size=2 --set train.micro_batch_size=4)
+    run straight 2 --set train.steps=10 "${pp[@]}"
+    run first 2 --set train.steps=10 --stop-after 5 "${pp[@]}" --set "checkpoint.dir=$work/ckpt"
+    test -d "$work/ckpt/step_00000005" || { echo "no checkpoint at step 5"; ls -la "$work/ckpt"; exit 1; }
+    run second 2 --set train.steps=10 "${pp[@]}" --set "checkpoint.dir=$work/ckpt" --set checkpoint.resume=auto
+    grep -q "resumed from" "$work/second.log" || { cat "$work/second.log"; echo "did not resume"; exit 1; }
+    "$compare" "$work/straight/metrics.jsonl" "$work/second/metrics.jsonl" 0 6
+    for layout in "one 1" "fsdp4 4"; do
+      set -- $layout
+      run "at_$1" "$2" --set train.steps=10 --set "checkpoint.resume=$work/ckpt/step_00000005"
+      "$compare" "$work/straight/metrics.jsonl" "$work/at_$1/metrics.jsonl" 1e-4 6
+    done
+    ;;
   skip_limit)
     # With train.max_skipped_steps 3, a checkpoint every step and keep_last 1, a run whose
     # steps turn non-finite after the first stops non-zero after 3 skipped steps in a row, naming
