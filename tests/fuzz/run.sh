@@ -2,7 +2,7 @@
 # Runs every fuzz target of a QUILT_FUZZ build for a bounded time, one after another:
 #   run.sh BUILD_DIR [SECONDS_EACH (60)] [TARGET...]   (targets: safetensors, config, ...)
 # Each starts from its checked-in seeds (corpus/<target>/, read only) plus what earlier runs
-# found (BUILD_DIR/fuzz/corpus/<target>/). A crashing input is kept as
+# found (BUILD_DIR/fuzz/corpus/<target>/), with <target>.dict as its dictionary when there is one. A crashing input is kept as
 # BUILD_DIR/fuzz/crashes/<target>-crash-<sha1>; the run then fails, showing the report.
 set -euo pipefail
 build=$(cd "$1" && pwd) seconds=${2:-60}
@@ -15,7 +15,9 @@ mkdir -p "$build/fuzz/crashes"
 for t in "${targets[@]}"; do
   mkdir -p "$build/fuzz/corpus/$t"
   log=$build/fuzz/$t.log
-  if ! "$build/fuzz/${t}_fuzz" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 \
+  dict=()
+  [ -f "$here/$t.dict" ] && dict=(-dict="$here/$t.dict")
+  if ! "$build/fuzz/${t}_fuzz" "${dict[@]}" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 \
        -artifact_prefix="$build/fuzz/crashes/$t-" "$build/fuzz/corpus/$t" "$here/corpus/$t" > "$log" 2>&1; then
     tail -n 60 "$log"
     echo "fuzz: $t failed; the input is in $build/fuzz/crashes/ (log: $log)"
