@@ -68,6 +68,8 @@ test-sanitize: deps
 	bash tests/sanitize/run.sh $(SANITIZE_BUILD) $(SANITIZE_TESTS)
 
 fuzz: deps
+	@echo '#include <omp.h>' | clang++ -fopenmp -x c++ -fsyntax-only - 2>/dev/null || \
+	  { echo "make fuzz: clang++ -fopenmp finds no omp.h (install libomp-14-dev)"; exit 1; }
 	@[ -f $(FUZZ_BUILD)/build.ninja ] || cmake -S . -B $(FUZZ_BUILD) -G Ninja $(SANITIZE_FLAGS) \
 	  -DCMAKE_CXX_COMPILER=clang++ "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -gline-tables-only -DNDEBUG" \
 	  -DQUILT_FUZZ=ON -DQUILT_BUILD_TESTS=OFF
