@@ -5,6 +5,8 @@ if(NOT TARGET quilt_cli)  # tools not built: nothing to run
 endif()
 add_executable(metrics_compare ${CMAKE_CURRENT_SOURCE_DIR}/tools/metrics_compare.cpp)
 target_link_libraries(metrics_compare PRIVATE nlohmann_json::nlohmann_json)
+add_executable(trace_check ${CMAKE_CURRENT_SOURCE_DIR}/tools/trace_check.cpp)
+target_link_libraries(trace_check PRIVATE nlohmann_json::nlohmann_json)
 set(_runs bash ${CMAKE_CURRENT_SOURCE_DIR}/tools/trainer_runs.sh $<TARGET_FILE:quilt_cli> $<TARGET_FILE:metrics_compare>
     ${QUILT_MPIEXEC} ${QUILT_MPIEXEC_FLAGS} --)
 function(quilt_trainer_test name)
@@ -165,6 +167,10 @@ quilt_trainer_test("pp 2 zero_bubble with activation checkpointing follows the o
   --set distributed.pipeline.pp_schedule=zero_bubble --set train.micro_batch_size=4)
 quilt_trainer_test("pp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit; the pp 2 checkpoint resumes at 1 rank and fsdp 4"
   resume_pp)
+
+# rank's 4 forwards and 4 backwards (1f1b) or 4 F, 4 I and 4 W (zero_bubble) as slices.
+quilt_trainer_test("logging.trace writes a Perfetto trace of a pp 2 1f1b step" pp_trace 1f1b 8)
+quilt_trainer_test("logging.trace writes a Perfetto trace of a pp 2 zero_bubble step (2 stages per rank)" pp_trace zero_bubble 24)
 # The pipeline's rules, refused before work and naming the keys.
 function(quilt_pp_rule_test name expect)
   add_test(NAME "trainer: pp rule: ${name}"

@@ -746,6 +746,8 @@ const Table<LoggingConfig>& logging_table() {
       field("dir", &L::dir, Opt<Str>{}, "metrics files; none: stdout only"),
       field("every_steps", &L::every_steps, Int{1}, "steps between metrics lines"),
       field("rank0_only", &L::rank0_only, Bool{}, "only rank 0 logs"),
+      field("trace", &L::trace, Bool{}, "write a Chrome/Perfetto trace of trace_steps into dir (pipeline actions)"),
+      field("trace_steps", &L::trace_steps, IntList{1}, "the steps logging.trace records"),
   }};
   return t;
 }
@@ -988,6 +990,7 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
     const PipelineConfig& pc = cfg.distributed.pipeline;
     QUILT_CHECK(dims.cp() == 1 && dims.ep() == 1, "[config] distributed.pp_size ", dims.pp(),
                 " with cp_size or ep_size > 1 is not implemented yet");
+    QUILT_CHECK(!cfg.logging.trace || cfg.logging.dir, "[config] logging.trace needs logging.dir (where the trace goes)");
     // The schedule's own rules (micro-batch count), named by make_schedule.
     (void)pipeline::make_schedule(pc.pp_schedule, int(dims.pp()),
                                   int(t.micro_batch_size / pc.pp_microbatch_size), 2);

@@ -81,6 +81,7 @@ class PipelineTrainStep : public TrainStep {
                     PipelineStepOptions opts);
   double run(const std::vector<Batch>& micro_batches) override;
   double evaluate(const std::vector<Batch>& micro_batches) override;
+  pipeline::PipelineRunner& runner() { return *runner_; }
 
  private:
   std::vector<pipeline::MicroBatch> cut(const Batch& b) const;

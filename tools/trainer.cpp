@@ -2,11 +2,14 @@
 // (micro-batches through the TrainStep, clip, update, log, checkpoint) -> final checkpoint.
 #include "tools/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <optional>
+
+#include <nlohmann/json.hpp>
 
 #include "collectives/agree.h"
 #include "collectives/launch.h"
@@ -51,6 +54,54 @@ void check_skipped(const Run& r) {
                     r.world->rank() == 0);
 }
 
+// logging.trace: the step's pipeline actions as a Chrome/Perfetto trace (one process per rank,
+// one slice per action, waits for another rank's tensor as "wait"), each rank's own file and
+// one merged by rank 0, and the share of the step the ranks spent idle (the bubble).
+void write_pipeline_trace(Run& r, int64_t step, const std::vector<pipeline::Span>& spans) {
+  const int rank = r.world->rank();
+  nlohmann::json events = nlohmann::json::array();
+  double busy = 0, end = 0;
+  for (const pipeline::Span& s : spans) {
+    const bool wait = s.action.microbatch < 0;
+    const pipeline::Op op = s.action.op;
+    const bool compute = !wait && (op == pipeline::Op::kF || op == pipeline::Op::kB || op == pipeline::Op::kI ||
+                                   op == pipeline::Op::kW);
+    if (compute) busy += s.end_us - s.start_us;
+    end = std::max(end, s.end_us);
+    events.push_back({{"name", wait ? "wait" : pipeline::to_string(s.action)},
+                      {"cat", wait ? "wait" : compute ? "compute" : "transfer"}, {"ph", "X"}, {"pid", rank},
+                      {"tid", 0}, {"ts", s.start_us}, {"dur", s.end_us - s.start_us}});
+  }
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
+  const fs::path dir(*r.cfg.logging.dir);
+  const std::string stem = "trace_step" + std::to_string(step);
+  std::ofstream(dir / (stem + "_rank" + std::to_string(rank) + ".json")) << nlohmann::json{{"traceEvents", events}}.dump();
+  const nlohmann::json mine = {{"events", events}, {"busy", busy}, {"end", end}};
+  const std::vector<std::string> all = all_gather_text(*r.world, mine.dump());
+  if (rank != 0) return;
+  nlohmann::json merged = nlohmann::json::array();
+  double busy_all = 0, makespan = 0;
+  std::string per_rank;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const nlohmann::json j = nlohmann::json::parse(all[i]);
+    for (const auto& e : j.at("events")) merged.push_back(e);
+    busy_all += j.at("busy").get<double>();
+    makespan = std::max(makespan, j.at("end").get<double>());
+  }
+  for (size_t i = 0; i < all.size(); ++i) {
+    const nlohmann::json j = nlohmann::json::parse(all[i]);
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "%s%zu %.1f%%", i ? ", " : "", i, 100 * (1 - j.at("busy").get<double>() / makespan));
+    per_rank += buf;
+  }
+  const fs::path path = dir / (stem + ".json");
+  std::ofstream(path) << nlohmann::json{{"traceEvents", merged}, {"displayTimeUnit", "ms"}}.dump();
+  char line[64];
+  std::snprintf(line, sizeof line, "%.1f%%", 100 * (1 - busy_all / (double(all.size()) * makespan)));
+  log_line("pipeline trace: step ", step, " in ", path.string(), "; the ranks were idle ", line,
+           " of the step (rank ", per_rank, ")");
+}
+
 double validation_loss(Run& r) {
   if (!r.val_loader) return -1;
   for (const auto& m : r.stages) m->eval();
@@ -72,8 +123,17 @@ StepMetrics train_step(Run& r) {
   r.opt->set_lr(m.lr);
   const double waited = r.dp.fsdp ? r.dp.fsdp->all_gather_wait_seconds() : 0;
   const std::vector<Batch> batches = r.loader->next_step();
+  const LoggingConfig& lg = r.cfg.logging;
+  auto* pipe = dynamic_cast<PipelineTrainStep*>(r.step.get());
+  const bool trace = pipe && lg.trace &&
+                     std::count(lg.trace_steps.begin(), lg.trace_steps.end(), r.step_count + 1) > 0;
+  if (trace) pipe->runner().set_tracing(true);
   for (const auto& s : r.stages) set_moe_aux_loss_scale(*s, 1.0 / double(std::max<size_t>(1, batches.size())));
   m.loss = r.step->run(batches);
+  if (trace) {
+    pipe->runner().set_tracing(false);
+    write_pipeline_trace(r, r.step_count + 1, pipe->runner().trace());
+  }
   if (r.dp.fsdp) m.gather_wait_s = r.dp.fsdp->all_gather_wait_seconds() - waited;
   m.grad_norm =
       dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, r.pp_comm.get()).item<double>();

@@ -2,6 +2,7 @@
 #include "parallel/pipeline/runtime.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "engine/engine.h"
 
@@ -64,18 +65,38 @@ double PipelineRunner::walk(const std::vector<MicroBatch>& mbs, bool with_backwa
   slots_.clear();
   loss_sum_ = 0;
   const auto& list = lists_[size_t(comm_->rank())];
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point t0;
+  if (tracing_) {
+    trace_.clear();
+    comm_->barrier();
+    t0 = Clock::now();
+  }
+  auto us = [&t0] { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); };
   for (size_t i = 0; i < list.size(); ++i) {
     const Action& a = list[i];
     const bool grad_side = a.op == Op::kB || a.op == Op::kI || a.op == Op::kW || a.op == Op::kSendB || a.op == Op::kRecvB;
     if (grad_side && !with_backward) continue;
     if (a.op == Op::kB || a.op == Op::kW)
       stage(a.stage).dp.set_requires_gradient_sync(sync && last_backward_[a.stage] == int(i));
+    double start = 0;
+    if (tracing_) {
+      // A compute's wait for a tensor from another rank is idle time: traced apart from it.
+      const bool needs_recv = (a.op == Op::kF && a.stage > 0 && ranks_[size_t(a.stage - 1)] != comm_->rank()) ||
+                              ((a.op == Op::kB || a.op == Op::kI) && a.stage < num_stages_ - 1 &&
+                               ranks_[size_t(a.stage + 1)] != comm_->rank());
+      const double wait_start = us();
+      if (needs_recv) slot(a.stage, a.microbatch).pending.wait();
+      start = us();
+      if (start - wait_start > 1) trace_.push_back({Action{a.stage, Op::kRecvF, -1}, wait_start, start});
+    }
     switch (a.op) {
       case Op::kF: forward(a, mbs); break;
       case Op::kB: case Op::kI: case Op::kW: backward(a); break;
       case Op::kSendF: case Op::kSendB: send(a); break;
       case Op::kRecvF: case Op::kRecvB: recv(a, mbs); break;
     }
+    if (tracing_) trace_.push_back({a, start, us()});
   }
   for (auto& [key, sl] : slots_)
     for (Work& w : sl.sends) w.wait();

@@ -36,6 +36,14 @@ struct MicroBatch {
   Tensor tokens, targets, positions;
 };
 
+/// One action as it ran: microseconds from the start of the step (which begins on every
+/// pipeline rank at a barrier, so ranks' times line up). A span with microbatch -1 is a compute
+/// waiting for its tensor from another rank.
+struct Span {
+  Action action;
+  double start_us = 0, end_us = 0;
+};
+
 /// loss(logits, targets) of one micro-batch, as the gradients should see it (scaled).
 using StageLoss = std::function<Tensor(const Tensor& logits, const Tensor& targets)>;
 
@@ -56,6 +64,10 @@ class PipelineRunner {
   const std::vector<StageRef>& stages() const { return stages_; }
   /// The rank that holds each stage.
   const std::vector<int>& stage_ranks() const { return ranks_; }
+  /// Records the actions of the runs from now on (timed from a barrier at their start).
+  void set_tracing(bool on) { tracing_ = on; }
+  /// The actions of the last traced run, in the order they ran.
+  const std::vector<Span>& trace() const { return trace_; }
 
  private:
   struct Slot {  // one stage's state for one micro-batch
@@ -85,6 +97,8 @@ class PipelineRunner {
   std::map<int, int> last_backward_;  // stage -> index in this rank's list of its last B or W
   int n_microbatches_ = 0;
   double loss_sum_ = 0;
+  bool tracing_ = false;
+  std::vector<Span> trace_;
 };
 
 }  // namespace quilt::pipeline

@@ -348,17 +348,13 @@ TEST_CASE("config: model.pretrained is a path or none and must not be empty") {
         std::string::npos);
 }
 
-TEST_CASE("config: pipeline and moe keys off their defaults warn once each that they are ignored") {
+TEST_CASE("config: moe keys off their defaults warn once each that they are ignored; pipeline keys do not") {
   CHECK(parse(kMinimal).warnings.empty());
   CHECK(load_recipe(recipe_path("llama_tiny.yaml")).warnings.empty());  // it spells out the defaults
   RecipeConfig c = parse(kMinimal, {"distributed.moe.reshard_after_forward=true",
                                     "distributed.pipeline={pp_schedule: gpipe, pp_microbatch_size: 2}",
                                     "distributed.moe.wrap_outer_model=true", "distributed.tp_size=2"});
   CHECK(c.warnings == std::vector<std::string>{
-                          "[config] distributed.pipeline.pp_schedule is ignored: pipeline parallelism is not "
-                          "implemented yet",
-                          "[config] distributed.pipeline.pp_microbatch_size is ignored: pipeline parallelism is not "
-                          "implemented yet",
                           "[config] distributed.moe.reshard_after_forward is ignored: distributed.moe applies only "
                           "with ep_size > 1"});
   CHECK(c.distributed.moe.reshard_after_forward);  // still read and kept: only its use is missing

@@ -111,6 +111,16 @@ case "$mode" in
       "$compare" "$work/straight/metrics.jsonl" "$work/at_$1/metrics.jsonl" 1e-4 6
     done
     ;;
+  pp_trace)
+    # logging.trace at pp 2: the merged trace of step 2 has one process per rank and each rank's
+    # compute actions as slices (trace_check, built beside metrics_compare).
+    schedule=$1; slices=$2
+    run traced 2 --set train.steps=2 --set distributed.pp_size=2 --set distributed.pipeline.pp_schedule=$schedule \
+      --set train.micro_batch_size=4 --set logging.trace=true --set "logging.trace_steps=[2]"
+    grep "pipeline trace: step 2" "$work/traced.log" || { cat "$work/traced.log"; exit 1; }
+    "$(dirname "$compare")/trace_check" "$work/traced/trace_step2.json" 2 "$slices"
+    test -f "$work/traced/trace_step2_rank1.json"
+    ;;
   skip_limit)
     # With train.max_skipped_steps 3, a checkpoint every step and keep_last 1, a run whose
     # steps turn non-finite after the first stops non-zero after 3 skipped steps in a row, naming
