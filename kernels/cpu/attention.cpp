@@ -1,10 +1,13 @@
 // CPU attention kernels (see attention.h).
 //
-// Tiles are kQBlock queries by kKBlock keys, and each tile product is one single-threaded Eigen
-// GEMM: at 64x64x64 Eigen matched the libraries gemm_libs opens (OpenBLAS led in NN by ~20%,
-// oneDNN in NT by ~20%, BLIS trailed; single thread, AVX-512 Xeon), and it is one code path
-// for f32 and f64 with nothing opened at run time. Tasks run one per thread in a single OpenMP
-// region with Eigen held to that thread, so results do not depend on the thread count.
+// Tiles are kQBlock queries by kKBlock keys (64 x 64: 128 in either was no faster at D = 64,
+// and smaller tiles waste less of a causal diagonal), and each tile product is one single-
+// threaded Eigen GEMM. Measured one thread at 64x64x64 (AVX-512 Xeon; NT/NN/TN GFLOP/s): Eigen
+// 101/114/108, OpenBLAS 91/140/153, oneDNN 111/128/123, BLIS 60/83/79. Eigen is kept: it
+// needs no library opened at run time, is one path for f32 and f64, and is safe to call from
+// every thread at once; OpenBLAS's NN/TN lead (three of the backward's five products) is the
+// next thing to try. Tasks run one per thread in a single OpenMP region with Eigen held to
+// that thread, so results do not depend on the thread count.
 //
 // Forward: one task per (batch, head, query block); the running max m and sum l per row (in
 // the compute type) rescale the output accumulator as key tiles arrive; lse = m + log(l).

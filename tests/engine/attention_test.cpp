@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <tuple>
 
 #include "tests/dtensor/util.h"
 #include "tests/engine/op_harness.h"
@@ -265,6 +266,22 @@ TEST_CASE("attention: errors name the shapes") {
 }
 
 TEST_CASE("attention: heads or batch sharded stay sharded, and agree with one process") {
+  // A head cut that would split a GQA group (2 kv heads on 4 ranks) is not kept; 3 heads
+  // without groups are, unevenly (one rank holds none).
+  run_threads_group(4, [](Communicator& c) {
+    const DeviceMesh mesh = mesh_of_shape(c, {4});
+    for (auto [hq, hkv, kept] : {std::tuple{4, 2, false}, {3, 3, true}}) {
+      const Tensor q = randn({1, hq, 5, 4}, RngKey(9, "q"), {.dtype = DType::f64});
+      const Tensor k = randn({1, hkv, 5, 4}, RngKey(9, "k"), {.dtype = DType::f64});
+      const Tensor v = randn({1, hkv, 5, 4}, RngKey(9, "v"), {.dtype = DType::f64});
+      const AttentionOutput want = scaled_dot_product_attention(q, k, v, {.causal = true});
+      const Placements pl{Shard(1)};
+      const AttentionOutput got = scaled_dot_product_attention(
+          distribute_tensor(q, mesh, pl), distribute_tensor(k, mesh, pl), distribute_tensor(v, mesh, pl), {.causal = true});
+      CHECK((placements_of(got.out) == pl) == kept);
+      CHECK(max_abs_diff(full_tensor(got.out), want.out) < 1e-12);
+    }
+  });
   run_threads_group(4, [](Communicator& c) {
     const DeviceMesh mesh = mesh_of_shape(c, {2, 2});
     const Tensor q0 = randn({2, 4, 7, 4}, RngKey(8, "q"), {.dtype = DType::f64});
