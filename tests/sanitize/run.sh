@@ -3,18 +3,20 @@
 # with every report fatal: run.sh BUILD_DIR [unit|mpi|all]
 #   unit: the doctest suites of every folder (the threads-backend collectives among them)
 #   mpi:  a short multi-rank subset under mpiexec (collectives suite, redistribute, a checkpoint
-#         saved at 4 ranks and loaded at 2)
+#         saved at 4 ranks and loaded at 2), without leak checking: Open MPI unloads its
+#         components at MPI_Finalize, so what they keep shows from unknown modules that no
+#         suppression can name (our own leaks are caught by the unit subset, in one process)
 #   all:  both (the default)
 set -euo pipefail
 build=$1 subset=${2:-all}
+source "$(dirname "$0")/env.sh"
 unit='^(engine|kernels|collectives|dtensor|parallel|models|tools)\.'
 mpi='^(collectives: MPI suite on (2 ranks|3 ranks with debug checks)|dtensor: redistribute round-trips on 4 ranks|dtensor: checkpoint from 4 ranks loads at 2 ranks)$'
-case $subset in
-  unit) regex=$unit ;;
-  mpi) regex=$mpi ;;
-  all) regex="$unit|$mpi" ;;
-  *) echo "run.sh: unknown subset '$subset' (unit, mpi or all)" >&2; exit 2 ;;
-esac
-source "$(dirname "$0")/env.sh"
+[[ $subset =~ ^(unit|mpi|all)$ ]] || { echo "run.sh: unknown subset '$subset' (unit, mpi or all)" >&2; exit 2; }
 cd "$build"
-ctest --output-on-failure -j "$(nproc)" --timeout 1800 -R "$regex"
+rc=0
+if [ "$subset" != mpi ]; then ctest --output-on-failure -j "$(nproc)" --timeout 1800 -R "$unit" || rc=1; fi
+if [ "$subset" != unit ]; then
+  ASAN_OPTIONS=$ASAN_OPTIONS:detect_leaks=0 ctest --output-on-failure -j "$(nproc)" --timeout 1800 -R "$mpi" || rc=1
+fi
+exit $rc
