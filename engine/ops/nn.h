@@ -6,8 +6,10 @@
 // backward; softmax and cross_entropy also run on CUDA. bf16/f16 inputs are computed in f32
 // inside the kernels and rounded once. swiglu, add_rms_norm and rotary_embedding take their
 // composite form (other ops) for distributed or CUDA tensors, rotary_embedding also when a
-// table needs a gradient; scaled_dot_product_attention and the CUDA path of dropout are
-// composites, so they run wherever those ops do. Ops without a CUDA kernel throw
+// table needs a gradient; scaled_dot_product_attention is a primitive with a flash-style CPU
+// kernel (kernels/cpu/attention.h: tiled, online softmax, backward from the row log-sum-exp)
+// and its composite form for a bool mask or CUDA tensors; the CUDA path of dropout is a
+// composite, so it runs wherever those ops do. Ops without a CUDA kernel throw
 // "[op] has no CUDA implementation in this build" for CUDA tensors. The backward of
 // softmax, log_softmax, cross_entropy, embedding and dropout is itself differentiable in the
 // incoming gradient; that of the norms is not (it throws "[rms_norm_backward] is not differentiable").
