@@ -740,8 +740,8 @@ void save_checkpoint(const std::string& dir_in, const StateDict& state, Communic
                       it->second.second.dump(), " on rank ", it->second.first, " but ", kind.dump(), " on rank ", r);
           if (fresh) all_tensors.push_back(t);
         }
-        for (const auto& [k, v] : rank_metadata.items())
-          if (!all_metadata.contains(k)) all_metadata[k] = v;
+        for (auto it = rank_metadata.begin(); it != rank_metadata.end(); ++it)
+          if (!all_metadata.contains(it.key())) all_metadata[it.key()] = it.value();
         const json offs = meta(kChunksKey), sums = meta(kSumsKey);
         for (const SafetensorsEntry& e : idx.entries) {
           // A tensor on a sub-mesh is replicated over the ranks outside it, which write the same

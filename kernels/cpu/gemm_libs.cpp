@@ -177,7 +177,8 @@ fs::path cache_dir() {
 // one per transpose mode: forward x·Wᵀ (NT), dX = dY·W (NN), dW = dYᵀ·X (TN), and TT alike.
 struct Probe {
   static constexpr int64_t t = 1024, h = 512, f = 1376;
-  std::vector<float> a = filled(t * f, 7), b = filled(f * h, 5), c = filled(t * f, 3);
+  // Sized for the largest operand of any mode: B of TT is (f, t).
+  std::vector<float> a = filled(t * f, 7), b = filled(f * t, 5), c = filled(t * f, 3);
   static std::vector<float> filled(int64_t n, int mod) {
     std::vector<float> v(static_cast<size_t>(n));
     for (size_t i = 0; i < v.size(); ++i) v[i] = float(int(i % size_t(mod)) - mod / 2) * 0.25f;
