@@ -12,16 +12,8 @@ shift
 case_name=$1; np=$2; max_s=$3; shift 3
 work=$(mktemp -d /tmp/quilt-fail-XXXXXX)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/text"
-for f in art computers; do cp "/usr/share/games/fortunes/$f" "$work/text/"; done
-"$quilt" data prepare --input "$work"/text/* --output "$work/data" > /dev/null
-common=(--config "$(dirname "$0")/../../recipes/llama_tiny.yaml"
-  --set "data.path=$work/data/train_*.bin" --set "data.val_path=none" --set train.eval_every=0
-  --set model.hidden_size=64 --set model.intermediate_size=160 --set model.num_hidden_layers=2
-  --set model.num_attention_heads=4 --set model.num_key_value_heads=2 --set train.seq_len=32
-  --set model.max_position_embeddings=64 --set train.global_batch_size=4 --set train.micro_batch_size=1
-  --set train.warmup_steps=2 --set logging.every_steps=1 --set train.steps=4
-  --set dist_env.timeout_s=300)  # so that only failing together can end these jobs quickly
+source "$(dirname "$0")/tiny_run.sh"
+common+=(--set train.steps=4 --set dist_env.timeout_s=300)  # only failing together ends these quickly
 launch() { "${mpi[@]}" -n "$1" "$quilt" train "${common[@]}" "${@:2}"; }
 
 # A checkpoint to damage: 4 ranks (fsdp 4), 2 steps.

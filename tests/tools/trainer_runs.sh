@@ -12,16 +12,7 @@ shift
 mode=$1; shift
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# A small corpus (a few fortune files) and a tiny model keep each run to seconds.
-mkdir -p "$work/text"
-for f in art computers science; do cp "/usr/share/games/fortunes/$f" "$work/text/"; done
-"$quilt" data prepare --input "$work"/text/* --output "$work/data" > /dev/null
-common=(--config "$(dirname "$0")/../../recipes/llama_tiny.yaml"
-  --set "data.path=$work/data/train_*.bin" --set "data.val_path=none" --set train.eval_every=0
-  --set model.hidden_size=64 --set model.intermediate_size=160 --set model.num_hidden_layers=2
-  --set model.num_attention_heads=4 --set model.num_key_value_heads=2 --set train.seq_len=32
-  --set model.max_position_embeddings=64 --set train.global_batch_size=4 --set train.micro_batch_size=1
-  --set train.warmup_steps=2 --set logging.every_steps=1)
+source "$(dirname "$0")/tiny_run.sh"
 run() {  # run NAME NP [--set ...]
   local name=$1 np=$2; shift 2
   "${mpi[@]}" -n "$np" "$quilt" train "${common[@]}" --set "logging.dir=$work/$name" "$@" > "$work/$name.log" 2>&1 ||
