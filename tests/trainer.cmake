@@ -80,11 +80,19 @@ quilt_trainer_test("moe: fsdp 2 x tp 2 with sequence parallel follows the one-ra
 quilt_trainer_test("moe: HF export writes one tensor per expert, which loads back under ep 4 bit-identically" moe_export)
 # The seed's MoE rules, refused before work and naming the keys (and the moe: section warned
 # about without expert parallelism).
-function(quilt_moe_rule_test name expect)
-  add_test(NAME "trainer: moe rule: ${name}"
+# quilt_rule_test(<kind> <recipe> <name> <expected text> <--set ...>): `config check` at world 4
+# must refuse the recipe with the overrides, printing the text.
+function(quilt_rule_test kind recipe name expect)
+  add_test(NAME "trainer: ${kind} rule: ${name}"
     COMMAND sh -c "q=$0; r=$1; e=$2; shift 2; out=$(\"$q\" config check --config \"$r\" --world 4 \"$@\" 2>&1); rc=$?; \
 echo \"$out\" | tail -3; [ $rc -ne 0 ] && echo \"$out\" | grep -qF \"$e\""
-      $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/moe_tiny.yaml "${expect}" ${ARGN})
+      $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/${recipe} "${expect}" ${ARGN})
+endfunction()
+function(quilt_moe_rule_test name expect)
+  quilt_rule_test(moe moe_tiny.yaml "${name}" "${expect}" ${ARGN})
+endfunction()
+function(quilt_pp_rule_test name expect)
+  quilt_rule_test(pp llama_tiny.yaml "${name}" "${expect}" ${ARGN})
 endfunction()
 quilt_moe_rule_test("ep_size must divide dp * cp" "ep_size 3 does not divide dp_size * cp_size" --set distributed.ep_size=3)
 quilt_moe_rule_test("num_experts must divide by ep_size" "model.num_experts 6 is not divisible by distributed.ep_size 4"
@@ -172,12 +180,6 @@ quilt_trainer_test("pp 2: 10 steps equal 5 steps, resume, 5 more, bit for bit; t
 quilt_trainer_test("logging.trace writes a Perfetto trace of a pp 2 1f1b step" pp_trace 1f1b 8)
 quilt_trainer_test("logging.trace writes a Perfetto trace of a pp 2 zero_bubble step (2 stages per rank)" pp_trace zero_bubble 24)
 # The pipeline's rules, refused before work and naming the keys.
-function(quilt_pp_rule_test name expect)
-  add_test(NAME "trainer: pp rule: ${name}"
-    COMMAND sh -c "q=$0; r=$1; e=$2; shift 2; out=$(\"$q\" config check --config \"$r\" --world 4 \"$@\" 2>&1); rc=$?; \
-echo \"$out\" | tail -3; [ $rc -ne 0 ] && echo \"$out\" | grep -qF \"$e\""
-      $<TARGET_FILE:quilt_cli> ${PROJECT_SOURCE_DIR}/recipes/llama_tiny.yaml "${expect}" ${ARGN})
-endfunction()
 quilt_pp_rule_test("pp_size must divide the world" "pp_size" --set distributed.pp_size=3)
 quilt_pp_rule_test("a schedule not in the list" "distributed.pipeline.pp_schedule" --set distributed.pp_size=2
   --set distributed.pipeline.pp_schedule=zigzag)
