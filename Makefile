@@ -29,8 +29,9 @@ examples: install
 
 # The suite runs once with the GEMM libraries chosen for this machine (one per transpose mode),
 # then once more with each installed library forced (QUILT_GEMM), so every test passes on every
-# GEMM backend; the collectives tests (no GEMM) and the library tests (which loop over every
-# library themselves) run in the first pass only. Last, the installed `quilt` must run on its
+# GEMM backend; the collectives tests (no GEMM), the library tests (which loop over every
+# library themselves) and the launch tests (label "launch": Slurm, traces, plots, TensorBoard)
+# run in the first pass only. Last, the installed `quilt` must run on its
 # own (RPATH to its lib/), without LD_LIBRARY_PATH.
 test: build examples
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
@@ -39,7 +40,7 @@ test: build examples
 	  [ "$$lib" = "$$chosen" ] && continue; \
 	  echo "quilt: the test suite again with QUILT_GEMM=$$lib (the choice here: $$chosen)"; \
 	  (cd $(BUILD) && QUILT_GEMM=$$lib ctest --output-on-failure -j $(JOBS) --timeout 900 \
-	    -E '^(collectives|kernels\.gemm libraries)') || exit 1; \
+	    -E '^(collectives|kernels\.gemm libraries)' -LE launch) || exit 1; \
 	  echo "quilt: all tests passed with QUILT_GEMM=$$lib"; \
 	done
 	$(BUILD)/examples/tiny_regression

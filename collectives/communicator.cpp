@@ -10,6 +10,7 @@
 
 #include "collectives/internal.h"
 #include "collectives/observer.h"
+#include "engine/trace.h"
 #include "engine/autograd.h"
 #include "engine/random.h"
 
@@ -462,6 +463,18 @@ const CollectiveObserver* detail::current_collective_observer() { return t_obser
 
 Work Communicator::launch(OpCall&& call, std::vector<std::function<void()>>&& copy_back, bool async_op) {
   call.async = async_op;
+  // logging.trace: the collective from issue to completion (to issue only when asynchronous).
+  trace::Scope scope;
+  if (trace::enabled()) {
+    scope.begin("collective", op_kind_name(call.desc.kind));
+    scope.arg("bytes", call.desc.has_tensor ? call.desc.shape.numel() * int64_t(dtype_size(call.desc.dtype)) : int64_t(0));
+    scope.arg("axis", axis_.empty() ? name_ : axis_);
+    scope.arg("comm", name_);
+    scope.arg("ranks", int64_t(size_));
+    scope.arg("seq", int64_t(call.desc.seq));
+    if (call.desc.has_tensor) scope.arg("shape", detail::concat(call.desc.shape.vec()));
+    if (async_op) scope.arg("async", int64_t(1));
+  }
   if (t_observer) {
     CollectiveRecord r;
     r.op = op_kind_name(call.desc.kind);

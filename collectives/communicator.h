@@ -109,6 +109,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Device device() const { return device_; }
   /// "world", "world.split1[color 0]", ...: names the communicator in errors.
   const std::string& name() const { return name_; }
+  /// The mesh axis this communicator spans ("dp_shard", "tp", ...; "" when none was set).
+  const std::string& axis() const { return axis_; }
+  /// Labels the communicator with its mesh axis (traces show it beside the collective).
+  void set_axis(std::string axis) { axis_ = std::move(axis); }
   /// Sequence number of the last collective issued on this communicator (0 before the first).
   uint64_t last_seq() const { return seq_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -183,6 +187,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void check_root(int root, const char* op, const char* what) const;
 
   std::string backend_, name_;
+  std::string axis_;  // mesh axis, for traces
   int rank_ = 0, size_ = 1;
   Device device_;
   std::chrono::milliseconds timeout_;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -31,23 +32,45 @@ LaunchState& launch_state() {
   return *s;
 }
 
-bool has_env(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v;
+// The first of `names` that is set, as an int (-1 when none is).
+int int_var(const std::function<const char*(const char*)>& get, std::initializer_list<const char*> names) {
+  for (const char* name : names)
+    if (const char* v = get(name); v && *v) return std::atoi(v);
+  return -1;
+}
+
+// Slurm's tasks per node, "2(x3),1" = 2, 2, 2, 1: the count of node `node`, or -1.
+int slurm_tasks_on_node(const char* spec, int node) {
+  if (!spec || !*spec || node < 0) return -1;
+  std::stringstream ss(spec);
+  std::string item;
+  int at = 0;
+  while (std::getline(ss, item, ',')) {
+    const int count = std::atoi(item.c_str());
+    int repeat = 1;
+    if (const size_t x = item.find("(x"); x != std::string::npos) repeat = std::atoi(item.c_str() + x + 2);
+    if (node < at + repeat) return count;
+    at += repeat;
+  }
+  return -1;
 }
 
 // Which launcher started us, from the variables each one sets.
-std::string detect_launcher() {
-  if (const char* forced = std::getenv("QUILT_LAUNCHER"); forced && *forced) {
+std::string detect_launcher(const std::function<const char*(const char*)>& get) {
+  auto set = [&](const char* name) {
+    const char* v = get(name);
+    return v && *v;
+  };
+  if (const char* forced = get("QUILT_LAUNCHER"); forced && *forced) {
     const std::string f = forced;
     QUILT_CHECK(f == "mpi" || f == "none", "[launch] QUILT_LAUNCHER must be 'mpi' or 'none', got '", f, "'");
     if (f == "none") return "none";
   }
-  const bool slurm_step = has_env("SLURM_STEP_ID") || has_env("SLURM_STEPID");
-  if (has_env("OMPI_COMM_WORLD_SIZE")) return "mpirun";
-  if (has_env("PMIX_RANK") || has_env("PMI_RANK") || has_env("PMI_FD")) return slurm_step ? "srun" : "pmi";
-  if (slurm_step && has_env("SLURM_PROCID")) return "srun";
-  if (const char* forced = std::getenv("QUILT_LAUNCHER"); forced && std::string(forced) == "mpi") return "singleton";
+  const bool slurm_step = set("SLURM_STEP_ID") || set("SLURM_STEPID");
+  if (set("OMPI_COMM_WORLD_SIZE")) return "mpirun";
+  if (set("PMIX_RANK") || set("PMI_RANK") || set("PMI_FD")) return slurm_step ? "srun" : "pmi";
+  if (slurm_step && set("SLURM_PROCID")) return "srun";
+  if (const char* forced = get("QUILT_LAUNCHER"); forced && std::string(forced) == "mpi") return "singleton";
   return "none";
 }
 
@@ -98,6 +121,35 @@ void write_line(int rank, const std::string& message) {
 
 }  // namespace
 
+LauncherEnv launcher_env(const std::function<const char*(const char*)>& get) {
+  LauncherEnv e;
+  e.launcher = detect_launcher(get);
+  if (e.launcher == "mpirun") {
+    e.rank = int_var(get, {"OMPI_COMM_WORLD_RANK"});
+    e.world_size = int_var(get, {"OMPI_COMM_WORLD_SIZE"});
+    e.local_rank = int_var(get, {"OMPI_COMM_WORLD_LOCAL_RANK"});
+    e.local_size = int_var(get, {"OMPI_COMM_WORLD_LOCAL_SIZE"});
+  } else if (e.launcher == "srun") {
+    e.rank = int_var(get, {"SLURM_PROCID"});
+    e.world_size = int_var(get, {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"});
+    e.local_rank = int_var(get, {"SLURM_LOCALID"});
+    const int node = int_var(get, {"SLURM_NODEID"});
+    const char* per_node = get("SLURM_STEP_TASKS_PER_NODE");
+    if (!per_node || !*per_node) per_node = get("SLURM_TASKS_PER_NODE");
+    e.local_size = slurm_tasks_on_node(per_node, node);
+  } else if (e.launcher == "pmi") {
+    e.rank = int_var(get, {"PMIX_RANK", "PMI_RANK"});
+    e.world_size = int_var(get, {"PMI_SIZE"});
+  }
+  return e;
+}
+
+int device_for_local_rank(int local_rank, int device_count) {
+  QUILT_CHECK(device_count > 0, "[launch] no GPU for local rank ", local_rank);
+  QUILT_CHECK(local_rank >= 0, "[launch] local rank ", local_rank, " is negative");
+  return local_rank % device_count;
+}
+
 namespace detail {
 void set_log_rank(int rank) {
   std::lock_guard lk(log_state().mu);
@@ -142,7 +194,8 @@ const LaunchInfo& init_from_launcher(const LaunchOptions& opts) {
   std::lock_guard lk(s.mu);
   if (s.initialized) return s.info;
   QUILT_CHECK(!s.finalized, "[launch] init_from_launcher() after finalize(): MPI cannot be initialised twice");
-  const std::string launcher = detect_launcher();
+  const LauncherEnv env = launcher_env([](const char* name) -> const char* { return std::getenv(name); });
+  const std::string& launcher = env.launcher;
   if (launcher == "none") {
     s.cpu_world = detail::make_local_communicator(opts.comm);
     s.info = LaunchInfo{};
@@ -151,10 +204,20 @@ const LaunchInfo& init_from_launcher(const LaunchOptions& opts) {
     s.cpu_world = w.world;
     s.info = w.info;
     s.mpi = true;
+    // The launcher's numbers (srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) are what users
+    // and job scripts see; MPI must agree on rank and world, and the local rank (which picks
+    // the GPU) is the launcher's when it gives one, else MPI's shared-memory split.
+    const char* vars = launcher == "srun" ? " (SLURM_PROCID of SLURM_NTASKS)" : launcher == "mpirun"
+                                              ? " (OMPI_COMM_WORLD_RANK of OMPI_COMM_WORLD_SIZE)" : "";
+    QUILT_CHECK((env.rank < 0 || env.rank == s.info.rank) && (env.world_size < 0 || env.world_size == s.info.world_size),
+                "[launch] the ", launcher, " environment says rank ", env.rank, " of ", env.world_size, vars,
+                ", MPI says rank ", s.info.rank, " of ", s.info.world_size);
+    if (env.local_rank >= 0) s.info.local_rank = env.local_rank;
+    if (env.local_size > 0) s.info.local_size = env.local_size;
   }
   detail::set_log_rank(s.info.rank);
   if (cuda::is_available() && cuda::device_count() > 0) {
-    s.info.device = Device::cuda(s.info.local_rank % cuda::device_count());
+    s.info.device = Device::cuda(device_for_local_rank(s.info.local_rank, cuda::device_count()));
     cuda::set_device(s.info.device.index);
   }
   bool use_nccl = false;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,12 +39,35 @@ struct LaunchOptions {
 struct LaunchInfo {
   int rank = 0;
   int world_size = 1;
-  int local_rank = 0;   // rank among the processes on this host
+  int local_rank = 0;   // rank among the processes on this host (SLURM_LOCALID under srun)
   int local_size = 1;   // processes on this host
   std::string launcher = "none";  // "mpirun", "srun", "pmi" (another PMI launcher) or "none"
   std::string mpi_thread_level;   // "multiple", "serialized", ... ("" without MPI)
   Device device = Device::cpu();  // cuda:(local_rank % device count) when a GPU is usable
 };
+
+/// What a launcher's environment says about this process, before MPI starts: which launcher,
+/// and the rank, world size, local rank and local size it sets (-1 where it sets none). srun
+/// sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_STEP_NUM_TASKS/SLURM_TASKS_PER_NODE;
+/// mpirun sets OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK and _LOCAL_SIZE.
+struct LauncherEnv {
+  std::string launcher = "none";  // as LaunchInfo::launcher, or "singleton" (QUILT_LAUNCHER=mpi alone)
+  int rank = -1;
+  int world_size = -1;
+  int local_rank = -1;
+  int local_size = -1;
+};
+
+/// Reads the launcher's variables through `get` (a getenv; tests pass their own).
+LauncherEnv launcher_env(const std::function<const char*(const char*)>& get);
+
+/// The GPU index of a local rank among the `device_count` GPUs this process sees: local rank i
+/// takes GPU i mod count. With one GPU per task bound by the launcher (srun --gpus-per-task,
+/// CUDA_VISIBLE_DEVICES narrowed to one) every rank sees one GPU and takes index 0; with all of a
+/// node's GPUs visible, SLURM_LOCALID (or Open MPI's local rank) picks one, so ranks 0..3 of a
+/// 4-GPU node take GPUs 0..3 whatever the node's socket layout (Slurm's default block order
+/// numbers the tasks of a node socket by socket).
+int device_for_local_rank(int local_rank, int device_count);
 
 /// Initialises MPI (when launched by a launcher), the watchdog and the world communicator.
 /// Calling it again returns the existing state. QUILT_LAUNCHER=mpi forces MPI without a

@@ -110,6 +110,9 @@ DeviceMesh::DeviceMesh(std::shared_ptr<Communicator> comm, Shape shape, std::vec
       s->axis_comms.push_back(comm->split(color, int(s->coord[a])));
     }
   }
+  // Traces name each collective's mesh axis (the first mesh to use a communicator labels it).
+  for (size_t a = 0; a < shape.size(); ++a)
+    if (a < s->names.size() && s->axis_comms[a]->axis().empty()) s->axis_comms[a]->set_axis(s->names[a]);
   state_ = std::move(s);
 }
 
@@ -191,6 +194,9 @@ DeviceMesh DeviceMesh::sub(const std::vector<std::string>& names) const {
         rest_coord.push_back(s.coord[size_t(b)]);
       }
     c->comm = s.comm->split(int(ravel(rest_coord, rest_shape)), int(ravel(c->coord, c->shape)));
+    std::string axis;
+    for (const std::string& n : c->names) axis += (axis.empty() ? "" : "*") + n;
+    c->comm->set_axis(axis);
   }
   std::lock_guard<std::mutex> lock(s.mu);
   return DeviceMesh(s.children.emplace(key, c).first->second);

@@ -5,6 +5,7 @@
 
 #include "engine/ops/creation.h"
 #include "engine/ops/view.h"
+#include "engine/trace.h"
 
 namespace quilt {
 namespace {
@@ -54,6 +55,11 @@ class PrimitiveNode final : public Node {
     for (size_t i = 0; i < next.size(); ++i) ctx.needs[i] = next[i].fn != nullptr && wanted[i];
     ctx.inputs = inputs;
     ctx.outputs = outputs;
+    trace::Scope scope;
+    if (trace::enabled()) {
+      scope.begin("op", name_ + " backward");
+      scope.arg("grad shapes", trace::shapes_of(ctx.grads));
+    }
     std::vector<Tensor> gi = prim_->backward(ctx);
     gi.resize(next.size());
     for (size_t i = 0; i < gi.size(); ++i) {
@@ -102,6 +108,13 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> p, const std::vector<Tensor
     if (!t.defined()) continue;
     any_dist = any_dist || t.is_distributed();
     any_grad = any_grad || t.requires_grad();
+  }
+  // logging.trace: every op as a slice with its input shapes (global shapes when distributed).
+  trace::Scope scope;
+  if (trace::enabled()) {
+    scope.begin("op", p->name());
+    scope.arg("shapes", trace::shapes_of(inputs));
+    if (any_dist) scope.arg("distributed", int64_t(1));
   }
   std::vector<Tensor> outs;
   if (any_dist && !p->composite()) {

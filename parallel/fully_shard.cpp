@@ -31,6 +31,7 @@
 #include "engine/ops/binary.h"
 #include "engine/ops/creation.h"
 #include "engine/ops/view.h"
+#include "engine/trace.h"
 
 namespace quilt {
 namespace detail {
@@ -321,6 +322,9 @@ void FSDPUnit::install(bool unsharded) {
 void FSDPUnit::issue_unshard() {
   if (state_ != State::sharded || params_.empty()) return;
   NoGradGuard ng;
+  trace::Scope scope;
+  if (trace::enabled()) scope.begin("fsdp", "fsdp all_gather " + label_);
+  scope.arg("bytes", world_ * segment_ * int64_t(dtype_size(compute_dtype_)));
   ++stats_.all_gathers;
   gather_buf_ = empty({world_ * segment_}, {.dtype = compute_dtype_, .device = sharded_flat_.device()});
   if (gather_from_kept_) {
@@ -338,6 +342,8 @@ void FSDPUnit::wait_unshard() {
   if (params_.empty() || state_ == State::unsharded) return;
   if (state_ == State::sharded) issue_unshard();
   NoGradGuard ng;
+  trace::Scope scope;
+  if (trace::enabled()) scope.begin("fsdp", "fsdp all_gather wait " + label_);
   const auto t0 = Clock::now();
   gather_work_.wait();
   stats_.wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -459,6 +465,9 @@ void FSDPUnit::launch_reduce(bool fill_missing) {
     }
   }
   ++stats_.reduce_scatters;
+  trace::Scope scope;
+  if (trace::enabled()) scope.begin("fsdp", "fsdp reduce_scatter " + label_);
+  scope.arg("bytes", in.numel() * int64_t(dtype_size(in.dtype())));
   Work w = shard_comm_->reduce_scatter(out, in, ReduceOp::avg, /*async_op=*/true);
   pending_.push_back({std::move(w), out, in});
   r->inflight_ = {this, pending_.size() - 1};

@@ -1,9 +1,11 @@
 // `quilt data prepare`: tokenizes text files into llm.c token shards with a held-out
 // validation shard (train_NNNNNN.bin / val_NNNNNN.bin in the output directory).
+#include <algorithm>
 #include <cstdio>
 
 #include "tools/command.h"
 #include "tools/data.h"
+#include "tools/progress.h"
 
 namespace quilt {
 namespace {
@@ -16,6 +18,16 @@ int data_prepare(const CommandArgs& a) {
   o.split = parse_doc_split(a.get("--split"));
   o.val_fraction = a.get_double("--val-fraction");
   o.shard_tokens = a.get_int("--shard-tokens");
+  // Bytes, documents, tokens/s and ETA: in place on a terminal, plain lines in a log.
+  ProgressLine line("data prepare");
+  o.progress = [&](const PrepareProgress& p) {
+    char detail[128];
+    const double secs = std::max(1e-9, line.elapsed());
+    std::snprintf(detail, sizeof detail, "%lld documents, %lld tokens, %.0f tokens/s",
+                  static_cast<long long>(p.documents), static_cast<long long>(p.tokens), double(p.tokens) / secs);
+    if (p.done) line.finish(p.bytes, p.total_bytes, detail);
+    else line.update(p.bytes, p.total_bytes, detail);
+  };
   PrepareStats st = prepare_dataset(o);
   if (a.flag("--verbose"))
     for (const std::string& s : st.skipped) std::printf("skipped %s\n", s.c_str());

@@ -746,8 +746,11 @@ const Table<LoggingConfig>& logging_table() {
       field("dir", &L::dir, Opt<Str>{}, "metrics files; none: stdout only"),
       field("every_steps", &L::every_steps, Int{1}, "steps between metrics lines"),
       field("rank0_only", &L::rank0_only, Bool{}, "only rank 0 logs"),
-      field("trace", &L::trace, Bool{}, "write a Chrome/Perfetto trace of trace_steps into dir (pipeline actions)"),
+      field("trace", &L::trace, Bool{}, "write a Chrome/Perfetto trace of trace_steps into dir (ops, collectives, "
+            "FSDP, data, optimizer, pipeline actions)"),
       field("trace_steps", &L::trace_steps, IntList{1}, "the steps logging.trace records"),
+      field("tensorboard", &L::tensorboard, Bool{}, "write a TensorBoard events file of loss, lr, grad_norm, tps and "
+            "memory into dir"),
   }};
   return t;
 }
@@ -973,6 +976,9 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
   ParallelDims dims(cfg.distributed, world_size);
   const TrainConfig& t = cfg.train;
   const ModelConfig& m = cfg.model;
+  QUILT_CHECK(!cfg.logging.trace || cfg.logging.dir, "[config] logging.trace needs logging.dir (where the trace goes)");
+  QUILT_CHECK(!cfg.logging.tensorboard || cfg.logging.dir,
+              "[config] logging.tensorboard needs logging.dir (where the events file goes)");
   dims.check_seq_len(t.seq_len);
   const int64_t per_step = t.micro_batch_size * dims.dp();
   QUILT_CHECK(t.global_batch_size % per_step == 0, "[config] train.global_batch_size ", t.global_batch_size,
@@ -990,7 +996,6 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
     const PipelineConfig& pc = cfg.distributed.pipeline;
     QUILT_CHECK(dims.cp() == 1 && dims.ep() == 1, "[config] distributed.pp_size ", dims.pp(),
                 " with cp_size or ep_size > 1 is not implemented yet");
-    QUILT_CHECK(!cfg.logging.trace || cfg.logging.dir, "[config] logging.trace needs logging.dir (where the trace goes)");
     // The schedule's own rules (micro-batch count), named by make_schedule.
     (void)pipeline::make_schedule(pc.pp_schedule, int(dims.pp()),
                                   int(t.micro_batch_size / pc.pp_microbatch_size), 2);

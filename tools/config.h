@@ -166,8 +166,9 @@ struct LoggingConfig {
   std::optional<std::string> dir;  // none: stdout only
   int64_t every_steps = 10;
   bool rank0_only = true;
-  bool trace = false;                 // a Chrome/Perfetto trace of the steps below (pipeline actions)
+  bool trace = false;                 // a Chrome/Perfetto trace of the steps below (ops, collectives, ...)
   std::vector<int64_t> trace_steps{2};  // which steps logging.trace records
+  bool tensorboard = false;           // a TensorBoard events file of the step scalars in dir
 };
 
 /// A whole recipe.

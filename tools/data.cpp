@@ -566,11 +566,14 @@ PrepareStats prepare_dataset(const PrepareOptions& o) {
   // The last document is held back so that a small corpus still gets one validation document.
   std::string pending;
   bool have_pending = false;
+  PrepareProgress progress;
+  for (const std::string& f : files) progress.total_bytes += int64_t(fs::file_size(f, ec));
   for (const std::string& f : files) {
     std::ifstream in(f, std::ios::binary);
     QUILT_CHECK(in.good(), "[data] cannot read input '", f, "'");
     std::stringstream ss;
     ss << in.rdbuf();
+    const int64_t file_start = progress.bytes, file_bytes = int64_t(ss.view().size());
     for (std::string& doc : split_documents(ss.str(), o.split)) {
       if (have_pending) {
         const bool to_val = every > 0 && st.documents % every == every - 1;
@@ -578,9 +581,16 @@ PrepareStats prepare_dataset(const PrepareOptions& o) {
         ++(to_val ? st.val_documents : st.train_documents);
         ++st.documents;
       }
+      if (o.progress) {  // documents' bytes approximate the position in the file (separators left out)
+        progress.bytes = std::min(progress.bytes + int64_t(doc.size()), file_start + file_bytes);
+        progress.documents = st.documents;
+        progress.tokens = train.tokens + val.tokens;
+        o.progress(progress);
+      }
       pending = std::move(doc);
       have_pending = true;
     }
+    progress.bytes = file_start + file_bytes;
   }
   if (have_pending) {
     const bool to_val = every > 0 && (st.documents % every == every - 1 || st.val_documents == 0);
@@ -594,6 +604,10 @@ PrepareStats prepare_dataset(const PrepareOptions& o) {
   flush_shard(val);
   st.train_tokens = train.tokens;
   st.val_tokens = val.tokens;
+  if (o.progress) {
+    progress = {progress.total_bytes, progress.total_bytes, st.documents, train.tokens + val.tokens, true};
+    o.progress(progress);
+  }
 
   nlohmann::json meta = {{"tokenizer", tok->name()},
                          {"vocab_size", tok->vocab_size()},

@@ -33,6 +33,7 @@
 namespace quilt {
 
 inline constexpr int32_t kShardMagicU16 = 20240520;
+#include <functional>
 inline constexpr int32_t kShardVersionU16 = 1;
 inline constexpr int32_t kShardMagicU32 = 20240801;
 inline constexpr int32_t kShardVersionU32 = 7;
@@ -183,6 +184,12 @@ enum class DocSplit {
 };
 
 /// Options of `quilt data prepare`.
+/// How far `quilt data prepare` has come: input bytes read of all, documents and tokens so far.
+struct PrepareProgress {
+  int64_t bytes = 0, total_bytes = 0, documents = 0, tokens = 0;
+  bool done = false;
+};
+
 struct PrepareOptions {
   std::vector<std::string> inputs;  // files or directories (their regular files; *.dat skipped)
   std::string output_dir;
@@ -190,6 +197,8 @@ struct PrepareOptions {
   DocSplit split = DocSplit::kAuto;
   double val_fraction = 0.05;           // every round(1 / val_fraction)-th document is held out
   int64_t shard_tokens = 100'000'000;   // tokens per shard file at most
+  /// Called after every document (and once at the end, with done set): for progress lines.
+  std::function<void(const PrepareProgress&)> progress;
 };
 
 /// What `quilt data prepare` read and wrote.

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -21,6 +22,15 @@ std::string with_commas(double v) {
 
 }  // namespace
 
+std::string short_duration(double seconds) {
+  const long long s = std::llround(std::max(0.0, seconds));
+  char buf[32];
+  if (s < 60) std::snprintf(buf, sizeof buf, "%llds", s);
+  else if (s < 3600) std::snprintf(buf, sizeof buf, "%lldm%02llds", s / 60, s % 60);
+  else std::snprintf(buf, sizeof buf, "%lldh%02lldm", s / 3600, (s % 3600) / 60);
+  return buf;
+}
+
 double peak_tflops_per_rank() {
   double peak = 0.25;
   if (const char* s = std::getenv("QUILT_PEAK_TFLOPS")) peak = std::atof(s);
@@ -36,7 +46,11 @@ std::string step_line(const StepMetrics& m) {
   if (m.gather_wait_s >= 0 && n > 0 && size_t(n) < sizeof line)
     n += std::snprintf(line + n, sizeof line - size_t(n), "  gather_wait: %.1fms", m.gather_wait_s * 1e3);
   if (m.moe_load > 0 && n > 0 && size_t(n) < sizeof line)
-    std::snprintf(line + n, sizeof line - size_t(n), "  moe_load: %.2f", m.moe_load);
+    n += std::snprintf(line + n, sizeof line - size_t(n), "  moe_load: %.2f", m.moe_load);
+  if (m.elapsed_s >= 0 && n > 0 && size_t(n) < sizeof line)
+    n += std::snprintf(line + n, sizeof line - size_t(n), "  elapsed: %s", short_duration(m.elapsed_s).c_str());
+  if (m.eta_s >= 0 && n > 0 && size_t(n) < sizeof line)
+    std::snprintf(line + n, sizeof line - size_t(n), "  eta: %s", short_duration(m.eta_s).c_str());
   return line;
 }
 
@@ -46,6 +60,10 @@ MetricsLog::MetricsLog(const LoggingConfig& cfg, int rank) {
   path_ = (std::filesystem::path(*cfg.dir) / "metrics.jsonl").string();
   jsonl_.open(path_, std::ios::app);
   QUILT_CHECK(jsonl_.is_open(), "[logging.dir] cannot open ", path_, " for writing");
+  if (cfg.tensorboard) {
+    tensorboard_ = std::make_unique<TensorBoardWriter>(*cfg.dir);
+    log_line("tensorboard: ", tensorboard_->path(), " (tensorboard --logdir ", *cfg.dir, ")");
+  }
 }
 
 void MetricsLog::step(const StepMetrics& m, bool print) {
@@ -56,6 +74,10 @@ void MetricsLog::step(const StepMetrics& m, bool print) {
   if (m.gather_wait_s >= 0) j["gather_wait_s"] = m.gather_wait_s;
   if (m.moe_load > 0) j["moe_load"] = m.moe_load;
   if (m.skipped) j["skipped"] = true;
+  if (m.elapsed_s >= 0) j["elapsed_s"] = m.elapsed_s;
+  if (tensorboard_)
+    tensorboard_->scalars(m.step, {{"loss", m.loss}, {"lr", m.lr}, {"grad_norm", m.grad_norm}, {"tps", m.tps},
+                                   {"memory_gib", m.memory_gib}});
   jsonl_ << j.dump() << "\n";
   jsonl_.flush();
   // Rank 0 alone writes it: a full disk here ends every rank at once (exit_on_error).

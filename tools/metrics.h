@@ -5,9 +5,11 @@
 #pragma once
 
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include "tools/config.h"
+#include "tools/tensorboard.h"
 #include "tools/trainer.h"
 
 namespace quilt {
@@ -16,10 +18,15 @@ namespace quilt {
 /// (docs/PERF.md) shared by the ranks of one host; QUILT_PEAK_TFLOPS overrides it.
 double peak_tflops_per_rank();
 
-/// "step: 10  loss: 2.3412  grad_norm: 0.5123  memory: 0.01GiB  tps: 12,345  tflops: 0.012  mfu: 4.80%".
+/// "step: 10  loss: 2.3412  grad_norm: 0.5123  memory: 0.01GiB  tps: 12,345  tflops: 0.012  mfu: 4.80%
+/// elapsed: 1m05s  eta: 20m40s".
 std::string step_line(const StepMetrics& m);
 
-/// Writes metrics.jsonl under logging.dir (rank 0) and prints step lines every logging.every_steps.
+/// "45s", "3m05s", "2h03m": a duration for progress lines.
+std::string short_duration(double seconds);
+
+/// Writes metrics.jsonl (and with logging.tensorboard an events file) under logging.dir
+/// (rank 0) and prints step lines every logging.every_steps.
 class MetricsLog {
  public:
   MetricsLog(const LoggingConfig& cfg, int rank);
@@ -29,6 +36,7 @@ class MetricsLog {
  private:
   std::string path_;
   std::ofstream jsonl_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 
 }  // namespace quilt

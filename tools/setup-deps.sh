@@ -4,7 +4,7 @@
 set -euo pipefail
 pkgs=(cmake ninja-build g++ make libopenmpi-dev openmpi-bin libeigen3-dev libcli11-dev doctest-dev
       libyaml-cpp-dev nlohmann-json3-dev libbenchmark-dev libopenblas-openmp-dev libblis-openmp-dev libdnnl-dev libxxhash-dev
-      clang libclang-rt-14-dev libomp-14-dev fortunes ccache)
+      clang libclang-rt-14-dev libomp-14-dev fortunes ccache gnuplot-nox slurm-wlm munge)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -16,7 +16,9 @@
 #include "dtensor/grad_norm.h"
 #include "tools/checkpointing.h"
 #include "tools/metrics.h"
+#include "tools/report.h"
 #include "tools/run.h"
+#include "tools/step_trace.h"
 
 namespace quilt {
 namespace fs = std::filesystem;
@@ -54,54 +56,6 @@ void check_skipped(const Run& r) {
                     r.world->rank() == 0);
 }
 
-// logging.trace: the step's pipeline actions as a Chrome/Perfetto trace (one process per rank,
-// one slice per action, waits for another rank's tensor as "wait"), each rank's own file and
-// one merged by rank 0, and the share of the step the ranks spent idle (the bubble).
-void write_pipeline_trace(Run& r, int64_t step, const std::vector<pipeline::Span>& spans) {
-  const int rank = r.world->rank();
-  nlohmann::json events = nlohmann::json::array();
-  double busy = 0, end = 0;
-  for (const pipeline::Span& s : spans) {
-    const bool wait = s.action.microbatch < 0;
-    const pipeline::Op op = s.action.op;
-    const bool compute = !wait && (op == pipeline::Op::kF || op == pipeline::Op::kB || op == pipeline::Op::kI ||
-                                   op == pipeline::Op::kW);
-    if (compute) busy += s.end_us - s.start_us;
-    end = std::max(end, s.end_us);
-    events.push_back({{"name", wait ? "wait" : pipeline::to_string(s.action)},
-                      {"cat", wait ? "wait" : compute ? "compute" : "transfer"}, {"ph", "X"}, {"pid", rank},
-                      {"tid", 0}, {"ts", s.start_us}, {"dur", s.end_us - s.start_us}});
-  }
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
-  const fs::path dir(*r.cfg.logging.dir);
-  const std::string stem = "trace_step" + std::to_string(step);
-  std::ofstream(dir / (stem + "_rank" + std::to_string(rank) + ".json")) << nlohmann::json{{"traceEvents", events}}.dump();
-  const nlohmann::json mine = {{"events", events}, {"busy", busy}, {"end", end}};
-  const std::vector<std::string> all = all_gather_text(*r.world, mine.dump());
-  if (rank != 0) return;
-  nlohmann::json merged = nlohmann::json::array();
-  double busy_all = 0, makespan = 0;
-  std::string per_rank;
-  for (size_t i = 0; i < all.size(); ++i) {
-    const nlohmann::json j = nlohmann::json::parse(all[i]);
-    for (const auto& e : j.at("events")) merged.push_back(e);
-    busy_all += j.at("busy").get<double>();
-    makespan = std::max(makespan, j.at("end").get<double>());
-  }
-  for (size_t i = 0; i < all.size(); ++i) {
-    const nlohmann::json j = nlohmann::json::parse(all[i]);
-    char buf[48];
-    std::snprintf(buf, sizeof buf, "%s%zu %.1f%%", i ? ", " : "", i, 100 * (1 - j.at("busy").get<double>() / makespan));
-    per_rank += buf;
-  }
-  const fs::path path = dir / (stem + ".json");
-  std::ofstream(path) << nlohmann::json{{"traceEvents", merged}, {"displayTimeUnit", "ms"}}.dump();
-  char line[64];
-  std::snprintf(line, sizeof line, "%.1f%%", 100 * (1 - busy_all / (double(all.size()) * makespan)));
-  log_line("pipeline trace: step ", step, " in ", path.string(), "; the ranks were idle ", line,
-           " of the step (rank ", per_rank, ")");
-}
-
 double validation_loss(Run& r) {
   if (!r.val_loader) return -1;
   for (const auto& m : r.stages) m->eval();
@@ -122,26 +76,50 @@ StepMetrics train_step(Run& r) {
   m.lr = r.sched->lr_at(r.opt->step_count());
   r.opt->set_lr(m.lr);
   const double waited = r.dp.fsdp ? r.dp.fsdp->all_gather_wait_seconds() : 0;
-  const std::vector<Batch> batches = r.loader->next_step();
+  // logging.trace: this step's ops, collectives, FSDP traffic, data and optimizer as slices
+  // (and the pipeline's actions under pp), timed from a barrier so the ranks line up.
   const LoggingConfig& lg = r.cfg.logging;
   auto* pipe = dynamic_cast<PipelineTrainStep*>(r.step.get());
-  const bool trace = pipe && lg.trace &&
-                     std::count(lg.trace_steps.begin(), lg.trace_steps.end(), r.step_count + 1) > 0;
-  if (trace) pipe->runner().set_tracing(true);
-  for (const auto& s : r.stages) set_moe_aux_loss_scale(*s, 1.0 / double(std::max<size_t>(1, batches.size())));
-  m.loss = r.step->run(batches);
-  if (trace) {
-    pipe->runner().set_tracing(false);
-    write_pipeline_trace(r, r.step_count + 1, pipe->runner().trace());
+  const bool tracing = lg.trace && std::count(lg.trace_steps.begin(), lg.trace_steps.end(), r.step_count + 1) > 0;
+  if (tracing) {
+    r.world->barrier();
+    trace::take();
+    trace::reset_origin();
+    trace::set_enabled(true);
+    if (pipe) pipe->runner().set_tracing(true);
   }
+  std::vector<Batch> batches;
+  {
+    trace::Scope scope("data", "load batches");
+    batches = r.loader->next_step();
+    scope.arg("micro-batches", int64_t(batches.size()));
+  }
+  for (const auto& s : r.stages) set_moe_aux_loss_scale(*s, 1.0 / double(std::max<size_t>(1, batches.size())));
+  {
+    trace::Scope scope("step", "forward + backward");
+    m.loss = r.step->run(batches);
+  }
+  if (tracing && pipe) pipe->runner().set_tracing(false);
   if (r.dp.fsdp) m.gather_wait_s = r.dp.fsdp->all_gather_wait_seconds() - waited;
-  m.grad_norm =
-      dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, r.pp_comm.get()).item<double>();
+  {
+    trace::Scope scope("optimizer", "clip grad norm");
+    m.grad_norm = dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, r.pp_comm.get())
+                      .item<double>();
+  }
   m.skipped = !(std::isfinite(m.loss) && std::isfinite(m.grad_norm));
-  if (!m.skipped) r.opt->step();
-  else log_line("step ", r.step_count + 1, ": non-finite ", std::isfinite(m.loss) ? "gradient norm" : "loss", ", step skipped on every rank");
+  if (!m.skipped) {
+    trace::Scope scope("optimizer", "optimizer step");
+    r.opt->step();
+  } else log_line("step ", r.step_count + 1, ": non-finite ", std::isfinite(m.loss) ? "gradient norm" : "loss", ", step skipped on every rank");
   r.skipped_in_a_row = m.skipped ? r.skipped_in_a_row + 1 : 0;
-  r.opt->zero_grad();
+  {
+    trace::Scope scope("optimizer", "zero grad");
+    r.opt->zero_grad();
+  }
+  if (tracing) {
+    trace::set_enabled(false);
+    write_step_trace(r, r.step_count + 1, trace::take(), pipe ? &pipe->runner().trace() : nullptr);
+  }
   // Aux-loss-free balancing: once per optimizer step, from the step's global expert load.
   for (const auto& s : r.stages) m.moe_load = std::max(m.moe_load, update_moe_load_balance(*s));
   m.step = ++r.step_count;
@@ -165,6 +143,7 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
   });
   std::unique_ptr<Run> run = build_run(cfg);
   Run& r = *run;
+  log_startup_report(r);
   if (ck.dir) {
     std::string from;
     if (ck.resume.kind == ResumeSpec::Kind::kAuto) from = latest_checkpoint(*ck.dir);
@@ -176,8 +155,13 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
   TrainResult result;
   for (const auto& s : r.stages) s->train();
   const int64_t last = stop_after >= 0 ? std::min(stop_after, cfg.train.steps) : cfg.train.steps;
+  const auto started = std::chrono::steady_clock::now();
+  const int64_t first = r.step_count;
   while (r.step_count < last) {
     StepMetrics m = train_step(r);
+    // Elapsed time and ETA at this run's mean step time (a resumed run counts from its resume).
+    m.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    m.eta_s = m.elapsed_s / double(m.step - first) * double(last - m.step);
     result.steps.push_back(m);
     metrics->step(m, m.step % std::max<int64_t>(1, cfg.logging.every_steps) == 0 || m.step == 1 || m.step == last);
     check_skipped(r);

@@ -19,6 +19,8 @@ struct StepMetrics {
   double loss = 0, grad_norm = 0, lr = 0, tps = 0, tflops = 0, mfu = 0, memory_gib = 0;
   double gather_wait_s = -1;  // time this rank waited on FSDP all-gathers in the step (< 0: no FSDP)
   double moe_load = 0;        // busiest expert's tokens / the mean, worst over MoE layers (0: no balancing)
+  double elapsed_s = -1;      // since this run's first step began (< 0: not known)
+  double eta_s = -1;          // to train.steps (or --stop-after) at this run's mean step time
   bool skipped = false;
 };
 

@@ -1,8 +1,11 @@
-// Checks a merged pipeline trace (logging.trace): valid JSON in Chrome's trace event format,
-// one named process per rank, and on each rank the expected number of compute slices (every
-// forward and backward of its stages), none overlapping another.
+// Checks a merged trace (logging.trace): valid JSON in Chrome's trace event format, one named
+// process per rank, and either on each rank the expected number of pipeline compute slices
+// (every forward and backward of its stages), none overlapping another, or on each rank at least
+// one slice of every CAT:NAME given (NAME a prefix), with the arguments that kind must carry
+// (ops their shapes, collectives and FSDP traffic their bytes, collectives their mesh axis).
 //
 //   trace_check trace_step2.json RANKS COMPUTE_SLICES_PER_RANK
+//   trace_check trace_step2.json RANKS --has op:matmul collective:all_gather fsdp:"fsdp all_gather" ...
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -11,7 +14,57 @@
 #include <string>
 #include <vector>
 
+// Every rank has a slice of each "cat:name" (name a prefix) carrying its kind's arguments.
+int check_has(const nlohmann::json& j, int ranks, const std::vector<std::string>& wanted) {
+  int bad = 0;
+  std::map<int, std::string> names;
+  for (const auto& e : j.at("traceEvents"))
+    if (e.at("ph") == "M" && e.at("name") == "process_name") names[e.at("pid").get<int>()] = e.at("args").at("name");
+  for (int r = 0; r < ranks; ++r)
+    if (names[r] != "rank " + std::to_string(r)) {
+      std::fprintf(stderr, "process %d is named '%s'\n", r, names[r].c_str());
+      ++bad;
+    }
+  for (const std::string& w : wanted) {
+    const size_t colon = w.find(':');
+    const std::string cat = w.substr(0, colon), name = colon == std::string::npos ? "" : w.substr(colon + 1);
+    std::map<int, int> found;
+    for (const auto& e : j.at("traceEvents")) {
+      if (e.at("ph") != "X" || e.at("cat") != cat || e.at("name").get<std::string>().rfind(name, 0) != 0) continue;
+      const nlohmann::json args = e.value("args", nlohmann::json::object());
+      bool ok = e.at("dur").get<double>() >= 0;
+      const char* shapes = e.at("name").get<std::string>().ends_with(" backward") ? "grad shapes" : "shapes";
+      if (cat == "op") ok = ok && args.contains(shapes) && !args[shapes].get<std::string>().empty();
+      if (cat == "collective") ok = ok && args.contains("axis") && !args["axis"].get<std::string>().empty();
+      // Waits carry no bytes: the gather they wait for has them.
+      const bool wait = e.at("name").get<std::string>().find(" wait") != std::string::npos;
+      if ((cat == "collective" || cat == "fsdp") && !wait) ok = ok && args.contains("bytes") && args["bytes"].get<int64_t>() > 0;
+      if (ok) ++found[e.at("pid").get<int>()];
+    }
+    for (int r = 0; r < ranks; ++r) {
+      if (found[r] > 0) continue;
+      std::fprintf(stderr, "rank %d has no '%s' slice of category '%s' with its arguments\n", r, name.c_str(),
+                   cat.c_str());
+      ++bad;
+    }
+    std::printf("trace_check: %s:%s: %d slices on rank 0\n", cat.c_str(), name.c_str(), found[0]);
+  }
+  return bad;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 4 && std::string(argv[3]) == "--has") {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(std::ifstream(argv[1]));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s is not valid JSON: %s\n", argv[1], e.what());
+      return 1;
+    }
+    const int bad = check_has(j, std::stoi(argv[2]), std::vector<std::string>(argv + 4, argv + argc));
+    std::printf("trace_check: %s%s\n", argv[1], bad ? ": FAILED" : ": every rank has every kind of slice");
+    return bad ? 1 : 0;
+  }
   if (argc != 4) {
     std::fprintf(stderr, "usage: trace_check TRACE.json RANKS COMPUTE_SLICES_PER_RANK\n");
     return 2;
