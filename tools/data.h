@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -33,7 +34,6 @@
 namespace quilt {
 
 inline constexpr int32_t kShardMagicU16 = 20240520;
-#include <functional>
 inline constexpr int32_t kShardVersionU16 = 1;
 inline constexpr int32_t kShardMagicU32 = 20240801;
 inline constexpr int32_t kShardVersionU32 = 7;
@@ -183,12 +183,13 @@ enum class DocSplit {
   kFile,       // each file is one document
 };
 
-/// Options of `quilt data prepare`.
 /// How far `quilt data prepare` has come: input bytes read of all, documents and tokens so far.
 struct PrepareProgress {
   int64_t bytes = 0, total_bytes = 0, documents = 0, tokens = 0;
   bool done = false;
 };
+
+/// Options of `quilt data prepare`.
 
 struct PrepareOptions {
   std::vector<std::string> inputs;  // files or directories (their regular files; *.dat skipped)
