@@ -46,6 +46,8 @@ quilt_trainer_test("fsdp 2 x tp 2 with selective activation checkpointing follow
   --set distributed.activation_checkpointing_mode=selective)
 quilt_trainer_test("fsdp 2 with activation checkpointing follows the one-rank loss curve" equivalence fsdp2ac 2
   --set distributed.strategy=fsdp2 --set distributed.activation_checkpointing=true)
+quilt_trainer_test("packing: packed rows train with finite losses, fsdp 2 follows one rank, resume inside a document is bit for bit"
+  packing)
 quilt_trainer_test("the same layout twice gives bit-identical losses" determinism)
 quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
 quilt_trainer_test("a non-finite loss or gradient skips the step on every rank" nonfinite)

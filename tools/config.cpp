@@ -611,6 +611,15 @@ const Table<DataConfig>& data_table() {
   return t;
 }
 
+const Table<PackedSequenceConfig>& packed_sequence_table() {
+  using P = PackedSequenceConfig;
+  static const Table<P> t{{
+      field("packed_sequence_size", &P::packed_sequence_size, Int{0},
+            "tokens per row packed from whole documents (must equal train.seq_len; micro_batch_size 1); 0: off"),
+  }};
+  return t;
+}
+
 const Table<TrainConfig>& train_table() {
   using T = TrainConfig;
   static const Table<T> t{{
@@ -760,6 +769,8 @@ const Table<RecipeConfig>& recipe_table() {
   static const Table<R> t{{
       field("model", &R::model, Sub<ModelConfig>{model_table}, "the decoder, in HF config.json names"),
       field("data", &R::data, Sub<DataConfig>{data_table}, "token shards"),
+      field("packed_sequence", &R::packed_sequence, Sub<PackedSequenceConfig>{packed_sequence_table},
+            "sequence packing"),
       field("train", &R::train, Sub<TrainConfig>{train_table}, "the optimisation loop"),
       field("distributed", &R::distributed, Sub<DistributedConfig>{distributed_table}, "parallel layout"),
       field("dist_env", &R::dist_env, Sub<DistEnvConfig>{dist_env_table}, "how ranks talk"),
@@ -979,6 +990,19 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
   QUILT_CHECK(!cfg.logging.trace || cfg.logging.dir, "[config] logging.trace needs logging.dir (where the trace goes)");
   QUILT_CHECK(!cfg.logging.tensorboard || cfg.logging.dir,
               "[config] logging.tensorboard needs logging.dir (where the events file goes)");
+  // Packing (before the seq_len rules, so that a bad packed size is named as such): rows are
+  // train.seq_len tokens, one per micro-batch (the seed's rule), and each document splits
+  // head-tail into 2 * cp_size chunks.
+  if (const int64_t n = cfg.packed_sequence.packed_sequence_size; n > 0) {
+    QUILT_CHECK(t.micro_batch_size == 1, "[config] train.micro_batch_size must be 1 with packing "
+                "(packed_sequence.packed_sequence_size ", n, "), got ", t.micro_batch_size);
+    QUILT_CHECK(t.seq_len == n, "[config] train.seq_len ", t.seq_len, " differs from packed_sequence."
+                "packed_sequence_size ", n, ": packed rows are train.seq_len tokens; set both to ", n);
+    const int64_t multiple = dims.cp() > 1 ? 2 * dims.cp() : 1;
+    QUILT_CHECK(n % multiple == 0, "[config] packed_sequence.packed_sequence_size ", n,
+                " is not divisible by 2 * cp_size = ", multiple, " (cp_size=", dims.cp(),
+                "; context parallelism splits each document into 2 * cp_size load-balanced chunks)");
+  }
   dims.check_seq_len(t.seq_len);
   const int64_t per_step = t.micro_batch_size * dims.dp();
   QUILT_CHECK(t.global_batch_size % per_step == 0, "[config] train.global_batch_size ", t.global_batch_size,

@@ -1,7 +1,7 @@
 // Training recipes: the YAML file `quilt train --config FILE` reads, as plain structs.
 //
-// A recipe has the sections model:, data:, train:, distributed:, dist_env:, checkpoint: and
-// logging:. Every key has a default, so a recipe names only what it changes. Command-line
+// A recipe has the sections model:, data:, packed_sequence:, train:, distributed:, dist_env:,
+// checkpoint: and logging:. Every key has a default, so a recipe names only what it changes. Command-line
 // overrides ("train.steps=20") are applied to the YAML tree before it is parsed, so they are
 // checked exactly like the file. Any unknown key, wrong type or bad value throws quilt::Error
 // naming the full dotted key (and, for unknown keys, the valid keys of that section) before
@@ -96,6 +96,12 @@ struct DataConfig {
   DataFormat format = DataFormat::kLlmc;
 };
 
+/// packed_sequence: rows made of whole documents (sequence packing) instead of windows of the
+/// token stream; positions restart and attention stays within each document.
+struct PackedSequenceConfig {
+  int64_t packed_sequence_size = 0;  // tokens per packed row (must equal train.seq_len); 0: no packing
+};
+
 /// How the learning rate falls after warm-up.
 enum class Decay { kCosine, kLinear };
 /// "cosine" or "linear".
@@ -175,6 +181,7 @@ struct LoggingConfig {
 struct RecipeConfig {
   ModelConfig model;
   DataConfig data;
+  PackedSequenceConfig packed_sequence;
   TrainConfig train;
   DistributedConfig distributed;
   DistEnvConfig dist_env;

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "engine/error.h"
 #include "tools/tokenizer.h"
@@ -273,6 +274,32 @@ void TokenDataset::read_window(int64_t w, int64_t seq_len, int64_t* out) const {
   fail("[data] window ", w, " is past the ", num_windows(seq_len), " windows of ", path_);
 }
 
+std::vector<int64_t> TokenDataset::document_starts(int64_t document_token) const {
+  std::vector<int64_t> starts;
+  int64_t base = 0;
+  for (const TokenShard& s : shards_) {
+    for (int64_t i = 0; i < s.size(); ++i)
+      if (base + i == 0 || int64_t(s[i]) == document_token) starts.push_back(base + i);
+    base += s.size();
+  }
+  return starts;
+}
+
+void TokenDataset::read_tokens(int64_t start, int64_t count, int64_t* out) const {
+  QUILT_CHECK(start >= 0 && count >= 0 && start + count <= num_tokens(), "[data] tokens [", start, ", ",
+              start + count, ") are outside the ", num_tokens(), " tokens of ", path_);
+  int64_t base = 0;
+  for (const TokenShard& s : shards_) {
+    if (count == 0) return;
+    if (start < base + s.size()) {
+      const int64_t n = std::min(count, base + s.size() - start);
+      s.read(start - base, n, out);
+      out += n, start += n, count -= n;
+    }
+    base += s.size();
+  }
+}
+
 void TokenDataset::check_vocab(int64_t vocab_size, const std::string& key) const {
   for (const TokenShard& s : shards_) {
     uint32_t hi = 0;
@@ -291,6 +318,11 @@ void TokenDataset::check_vocab(int64_t vocab_size, const std::string& key) const
 std::string LoaderState::to_json() const {
   nlohmann::json j = {{"position", position}, {"seed", seed},       {"seq_len", seq_len},
                       {"num_windows", num_windows}, {"shuffle", shuffle}};
+  if (packed_sequence_size > 0) {
+    j["packed_sequence_size"] = packed_sequence_size;
+    j["num_documents"] = num_documents;
+    j["offset"] = offset;
+  }
   return j.dump();
 }
 
@@ -316,7 +348,14 @@ LoaderState LoaderState::from_json(const std::string& text) {
   field("seq_len", s.seq_len);
   field("num_windows", s.num_windows);
   field("shuffle", s.shuffle);
+  // States without packing (and those saved before it existed) have none of these.
+  if (j.contains("packed_sequence_size")) {
+    field("packed_sequence_size", s.packed_sequence_size);
+    field("num_documents", s.num_documents);
+    field("offset", s.offset);
+  }
   QUILT_CHECK(s.position >= 0, "[data] loader state position must be >= 0, got ", s.position);
+  QUILT_CHECK(s.offset >= 0, "[data] loader state offset must be >= 0, got ", s.offset);
   return s;
 }
 
@@ -332,18 +371,125 @@ DataLoader::DataLoader(std::shared_ptr<const TokenDataset> data, LoaderOptions o
   QUILT_CHECK(o.global_batch_size % (o.micro_batch_size * o.dp_size) == 0, "[data] global_batch_size ",
               o.global_batch_size, " is not divisible by micro_batch_size * dp_size = ", o.micro_batch_size, " * ",
               o.dp_size, " = ", o.micro_batch_size * o.dp_size);
+  if (packed()) {
+    QUILT_CHECK(o.packed_sequence_size == o.seq_len, "[data] packed_sequence_size ", o.packed_sequence_size,
+                " differs from seq_len ", o.seq_len, ": packed rows are seq_len tokens");
+    QUILT_CHECK(o.document_token >= 0, "[data] packing needs document_token, the token that begins every "
+                "document (the tokenizer's end-of-text), got ", o.document_token);
+    QUILT_CHECK(o.document_multiple >= 1 && o.seq_len % o.document_multiple == 0, "[data] document_multiple ",
+                o.document_multiple, " does not divide the packed row length ", o.seq_len);
+    starts_ = data_->document_starts(o.document_token);
+    bool any = false;  // a lone token has no target: a stream of only those would pack nothing
+    for (int64_t d = 0; d < num_documents() && !any; ++d) any = document(d).second >= 2;
+    QUILT_CHECK(any, "[data] ", data_->path(), ": ", data_->num_tokens(), " tokens in ", num_documents(),
+                " document(s) (split at token ", o.document_token, ") hold no document of two tokens or more");
+    return;
+  }
   num_windows_ = data_->num_windows(o.seq_len);
   QUILT_CHECK(num_windows_ > 0, "[data] ", data_->path(), ": ", data_->num_tokens(), " tokens in ",
               data_->num_shards(), " shard(s) make no window of seq_len + 1 = ", o.seq_len + 1, " tokens");
 }
 
-int64_t DataLoader::window_at(int64_t p) const {
+namespace {
+
+// Item of stream position p over n items: epoch p / n is a permutation keyed by (seed, epoch).
+int64_t stream_item(int64_t p, int64_t n, uint64_t seed, bool shuffle) {
   QUILT_CHECK(p >= 0, "[data] stream position ", p, " is negative");
-  const int64_t idx = p % num_windows_;
-  if (!opts_.shuffle) return idx;
-  const uint64_t epoch = static_cast<uint64_t>(p / num_windows_);
-  Permutation perm(static_cast<uint64_t>(num_windows_), mix64(opts_.seed ^ mix64(epoch + 0x5851f42d4c957f2dull)));
+  const int64_t idx = p % n;
+  if (!shuffle) return idx;
+  const uint64_t epoch = static_cast<uint64_t>(p / n);
+  Permutation perm(static_cast<uint64_t>(n), mix64(seed ^ mix64(epoch + 0x5851f42d4c957f2dull)));
   return static_cast<int64_t>(perm(static_cast<uint64_t>(idx)));
+}
+
+}  // namespace
+
+int64_t DataLoader::window_at(int64_t p) const {
+  QUILT_CHECK(!packed(), "[data] a packing loader reads documents, not windows (use document_at)");
+  return stream_item(p, num_windows_, opts_.seed, opts_.shuffle);
+}
+
+int64_t DataLoader::document_at(int64_t p) const {
+  QUILT_CHECK(packed(), "[data] a loader without packing reads windows, not documents (use window_at)");
+  return stream_item(p, num_documents(), opts_.seed, opts_.shuffle);
+}
+
+std::pair<int64_t, int64_t> DataLoader::document(int64_t id) const {
+  const int64_t start = starts_[size_t(id)];
+  const int64_t end = id + 1 < num_documents() ? starts_[size_t(id + 1)] : data_->num_tokens();
+  return {start, end - start};
+}
+
+PackedStep DataLoader::packed_step(int64_t position, int64_t offset) const {
+  QUILT_CHECK(packed(), "[data] packed_step needs packing (packed_sequence_size > 0)");
+  const int64_t n = opts_.seq_len, multiple = opts_.document_multiple;
+  PackedStep step;
+  step.rows.resize(size_t(opts_.global_batch_size));
+  int64_t start = 0, length = 0;
+  std::tie(start, length) = document(document_at(position));
+  QUILT_CHECK(offset >= 0 && offset < length, "[data] offset ", offset, " is outside document ",
+              document_at(position), " (", length, " tokens) at stream position ", position);
+  auto advance = [&](int64_t taken) {
+    offset += taken;
+    if (offset == length) {
+      ++position, offset = 0;
+      std::tie(start, length) = document(document_at(position));
+    }
+  };
+  for (std::vector<PackedPiece>& row : step.rows) {
+    int64_t used = 0;
+    while (used < n) {
+      // A lone token (a one-token document, a long document's last token) has no target.
+      if (length - offset == 1) {
+        advance(1);
+        continue;
+      }
+      const int64_t piece = std::min(length - offset, n);
+      const int64_t padded = (piece + multiple - 1) / multiple * multiple;
+      if (used + padded > n) break;
+      row.push_back({start + offset, piece, padded});
+      used += padded;
+      advance(piece);
+    }
+  }
+  step.end_position = position;
+  step.end_offset = offset;
+  return step;
+}
+
+Batch DataLoader::packed_batch(const PackedStep& step, int64_t micro) const {
+  QUILT_CHECK(micro >= 0 && micro < accumulation_steps(), "[data] micro-step ", micro, " is outside [0, ",
+              accumulation_steps(), ")");
+  QUILT_CHECK(int64_t(step.rows.size()) == opts_.global_batch_size, "[data] a packed step of ", step.rows.size(),
+              " rows for global_batch_size ", opts_.global_batch_size);
+  const int64_t mb = opts_.micro_batch_size, t = opts_.seq_len;
+  Batch b;
+  b.inputs = Tensor::empty({mb, t}, {.dtype = DType::i64});
+  b.targets = Tensor::empty({mb, t}, {.dtype = DType::i64});
+  b.positions = Tensor::empty({mb, t}, {.dtype = DType::i64});
+  b.document_ids = Tensor::empty({mb, t}, {.dtype = DType::i64});
+  std::vector<int64_t> tokens(static_cast<size_t>(t));
+  const int64_t first = micro * mb * opts_.dp_size + opts_.dp_rank * mb;
+  for (int64_t i = 0; i < mb; ++i) {
+    int64_t* in = b.inputs.data<int64_t>() + i * t;
+    int64_t* tg = b.targets.data<int64_t>() + i * t;
+    int64_t* pos = b.positions.data<int64_t>() + i * t;
+    int64_t* doc = b.document_ids.data<int64_t>() + i * t;
+    // Padding: the document token as input, no target; a document's own padding keeps its id
+    // and continues its positions, so it comes after every real token of it and none sees it.
+    std::fill(in, in + t, opts_.document_token);
+    std::fill(tg, tg + t, int64_t(-100));
+    int64_t at = 0, id = 0;
+    for (const PackedPiece& p : step.rows[size_t(first + i)]) {
+      data_->read_tokens(p.start, p.length, tokens.data());
+      std::copy(tokens.begin(), tokens.begin() + p.length, in + at);
+      std::copy(tokens.begin() + 1, tokens.begin() + p.length, tg + at);
+      for (int64_t j = 0; j < p.padded; ++j) pos[at + j] = j, doc[at + j] = id;
+      at += p.padded, ++id;
+    }
+    for (int64_t j = at; j < t; ++j) pos[j] = j - at, doc[j] = id;  // the row's tail: a document of its own
+  }
+  return b;
 }
 
 std::vector<int64_t> DataLoader::global_windows(int64_t position) const {
@@ -363,6 +509,7 @@ std::vector<int64_t> DataLoader::rank_windows(int64_t position, int64_t micro) c
 }
 
 Batch DataLoader::batch_at(int64_t position, int64_t micro) const {
+  if (packed()) return packed_batch(packed_step(position, 0), micro);
   const int64_t mb = opts_.micro_batch_size, t = opts_.seq_len;
   Batch b;
   b.inputs = Tensor::empty({mb, t}, {.dtype = DType::i64});
@@ -381,26 +528,47 @@ Batch DataLoader::batch_at(int64_t position, int64_t micro) const {
 
 std::vector<Batch> DataLoader::next_step() {
   std::vector<Batch> out;
+  if (packed()) {
+    const PackedStep step = packed_step(position_, offset_);
+    for (int64_t m = 0; m < accumulation_steps(); ++m) out.push_back(packed_batch(step, m));
+    position_ = step.end_position, offset_ = step.end_offset;
+    return out;
+  }
   for (int64_t m = 0; m < accumulation_steps(); ++m) out.push_back(batch_at(position_, m));
   position_ += opts_.global_batch_size;
   return out;
 }
 
 LoaderState DataLoader::state() const {
-  return {position_, opts_.seed, opts_.seq_len, num_windows_, opts_.shuffle};
+  return {position_, opts_.seed, opts_.seq_len, num_windows_, opts_.shuffle, opts_.packed_sequence_size,
+          packed() ? num_documents() : 0, offset_};
 }
 
 void DataLoader::load_state(const LoaderState& s) {
   QUILT_CHECK(s.seq_len == opts_.seq_len, "[data] the saved loader state has seq_len ", s.seq_len,
               " but this run has train.seq_len ", opts_.seq_len);
+  QUILT_CHECK(s.packed_sequence_size == opts_.packed_sequence_size, "[data] the saved loader state has "
+              "packed_sequence_size ", s.packed_sequence_size, " but this run has packed_sequence.packed_sequence_size ",
+              opts_.packed_sequence_size);
   QUILT_CHECK(s.num_windows == num_windows_, "[data] the saved loader state covers ", s.num_windows,
               " windows but ", data_->path(), " has ", num_windows_, " (the data changed since the checkpoint)");
+
   QUILT_CHECK(s.seed == opts_.seed, "[data] the saved loader state has seed ", s.seed, " but this run has ",
               opts_.seed, " (train.seed)");
   QUILT_CHECK(s.shuffle == opts_.shuffle, "[data] the saved loader state has shuffle ", s.shuffle ? "on" : "off",
               " but this loader has it ", opts_.shuffle ? "on" : "off");
   QUILT_CHECK(s.position >= 0, "[data] the saved loader position ", s.position, " is negative");
+  if (packed()) {
+    QUILT_CHECK(s.num_documents == num_documents(), "[data] the saved loader state covers ", s.num_documents,
+                " documents but ", data_->path(), " has ", num_documents(), " (the data changed since the checkpoint)");
+    const int64_t length = document(document_at(s.position)).second;
+    QUILT_CHECK(s.offset >= 0 && s.offset < length, "[data] the saved loader offset ", s.offset,
+                " is outside the ", length, " tokens of the document at stream position ", s.position);
+  } else {
+    QUILT_CHECK(s.offset == 0, "[data] the saved loader state has offset ", s.offset, " but this loader reads windows");
+  }
   position_ = s.position;
+  offset_ = s.offset;
 }
 
 // ---- data prepare ---------------------------------------------------------------------------------

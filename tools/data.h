@@ -13,11 +13,23 @@
 // union over ranks of a step is the same set of windows for any dp, which is what lets every
 // layout follow the one-rank loss curve. Resuming needs only the stream position.
 //
+// With packing (packed_sequence_size = seq_len) the stream is of documents instead: a document
+// begins at each `document_token` (the tokenizer's EOT, which prepare puts before every
+// document), the shards read end to end; epoch e is a permutation of all documents keyed by
+// (seed, e). A step packs global_batch_size rows greedily from the stream, each with whole
+// documents in stream order until the next one does not fit; a document longer than a row is
+// cut into rows of seq_len tokens (each piece its own document); the rest of a row is padding.
+// Every rank packs the same global rows (document lengths only) and reads its slice of them, as
+// above. The cursor (documents consumed, tokens taken from the next one) is the state, so
+// resume works under any dp and any document_multiple.
+//
 //   auto data = std::make_shared<TokenDataset>("data/fortunes/train_*.bin", DataFormat::kLlmc);
 //   DataLoader loader(data, {.seq_len = 128, .global_batch_size = 8, .micro_batch_size = 2,
 //                            .dp_rank = r, .dp_size = 2, .seed = 1234});
 //   for (Batch& b : loader.next_step()) { /* b.inputs, b.targets: i64 (2, 128) */ }
 //   std::string saved = loader.state().to_json();   // later: loader.load_state(LoaderState::from_json(saved))
+//   DataLoader packed(data, {.seq_len = 128, .global_batch_size = 8, .packed_sequence_size = 128,
+//                            .document_token = 256});  // b.positions, b.document_ids: i64 (1, 128)
 #pragma once
 
 #include <cstdint>
@@ -26,6 +38,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "engine/tensor.h"
@@ -97,6 +110,11 @@ class TokenDataset {
   int64_t num_windows(int64_t seq_len) const;
   /// Copies window `w` (seq_len + 1 tokens) into `out`.
   void read_window(int64_t w, int64_t seq_len, int64_t* out) const;
+  /// Where each document starts, as offsets into the shards read end to end: 0 and every later
+  /// occurrence of `document_token` (a document may continue into the next shard).
+  std::vector<int64_t> document_starts(int64_t document_token) const;
+  /// Copies tokens [start, start + count) of the shards read end to end into `out`.
+  void read_tokens(int64_t start, int64_t count, int64_t* out) const;
   /// Throws naming the shard if any token is >= vocab_size (`key` names the setting in the error).
   void check_vocab(int64_t vocab_size, const std::string& key = "model.vocab_size") const;
 
@@ -114,6 +132,11 @@ struct LoaderOptions {
   int64_t dp_size = 1;
   uint64_t seed = 0;
   bool shuffle = true;  // false: windows in file order, as validation reads them
+  // Packing (packed_sequence.packed_sequence_size): rows of whole documents. 0: windows; else
+  // it must equal seq_len, the row length.
+  int64_t packed_sequence_size = 0;
+  int64_t document_token = -1;    // packing: the token that begins every document (the tokenizer's EOT)
+  int64_t document_multiple = 1;  // packing: each document padded to a multiple of this (2 * cp_size under cp)
 };
 
 /// A loader's position, saved in checkpoints. Layout-free: it may be restored under any dp.
@@ -123,6 +146,11 @@ struct LoaderState {
   int64_t seq_len = 0;
   int64_t num_windows = 0;
   bool shuffle = true;
+  // Packing only (to_json leaves them out when packed_sequence_size is 0): position counts
+  // documents, and `offset` tokens of the next one were taken by a row already (a long document).
+  int64_t packed_sequence_size = 0;
+  int64_t num_documents = 0;
+  int64_t offset = 0;
 
   /// One-line JSON object.
   std::string to_json() const;
@@ -131,10 +159,29 @@ struct LoaderState {
   friend bool operator==(const LoaderState&, const LoaderState&) = default;
 };
 
-/// One micro-batch: i64 tensors of shape (micro_batch_size, seq_len); targets are inputs shifted by one.
+/// One micro-batch: i64 tensors of shape (micro_batch_size, seq_len); targets are inputs shifted
+/// by one (-100 where no target counts: a packed document's last token, padding). `positions`
+/// (undefined: 0..seq_len-1 in every row) restart at each document of a packed row;
+/// `document_ids` (undefined: one document per row) keep attention inside each document.
 struct Batch {
   Tensor inputs;
   Tensor targets;
+  Tensor positions;
+  Tensor document_ids;
+};
+
+/// One document (or a piece of a long one) in a packed row.
+struct PackedPiece {
+  int64_t start = 0;   // offset of its first token in the shards read end to end
+  int64_t length = 0;  // its tokens (>= 2: a lone token has no target and is left out)
+  int64_t padded = 0;  // what it takes of the row: length rounded up to document_multiple
+};
+
+/// The rows of one global step of a packing loader, and the stream cursor after them.
+struct PackedStep {
+  std::vector<std::vector<PackedPiece>> rows;  // global_batch_size rows, each at most seq_len tokens
+  int64_t end_position = 0;                    // documents consumed after the step
+  int64_t end_offset = 0;                      // tokens taken from the next document
 };
 
 /// Deterministic, resumable batches for one data-parallel rank.
@@ -153,17 +200,28 @@ class DataLoader {
   std::vector<int64_t> global_windows(int64_t position) const;
   /// Window ids this rank reads in micro-step `micro` of the global batch at `position`.
   std::vector<int64_t> rank_windows(int64_t position, int64_t micro) const;
-  /// This rank's micro-batch `micro` of the global batch at `position` (does not move the loader).
+  /// This rank's micro-batch `micro` of the global batch at `position` (does not move the loader);
+  /// packing: at document stream position `position`, offset 0.
   Batch batch_at(int64_t position, int64_t micro) const;
+  /// Packing: documents in the data (the stream's unit).
+  int64_t num_documents() const { return static_cast<int64_t>(starts_.size()); }
+  /// Packing: document id at stream position `p` (epoch p / num_documents, shuffled by (seed, epoch)).
+  int64_t document_at(int64_t p) const;
+  /// Packing: the global step's rows, packed from the cursor (position, offset).
+  PackedStep packed_step(int64_t position, int64_t offset) const;
+  /// Packing: this rank's micro-batch `micro` of `step`, with positions and document ids.
+  Batch packed_batch(const PackedStep& step, int64_t micro) const;
   /// This rank's micro-batches of the next global step; advances by global_batch_size.
   std::vector<Batch> next_step();
 
-  /// Windows consumed so far by all ranks together.
+  /// Windows (packing: documents) consumed so far by all ranks together.
   int64_t position() const { return position_; }
-  /// Current epoch (how many times the stream has gone through every window).
-  int64_t epoch() const { return position_ / num_windows_; }
+  /// Packing: tokens of the document at position() already taken by a row.
+  int64_t offset() const { return offset_; }
+  /// Current epoch (how many times the stream has gone through every window or document).
+  int64_t epoch() const { return position_ / stream_size(); }
   /// Back to the start of the stream (validation restarts every evaluation).
-  void reset() { position_ = 0; }
+  void reset() { position_ = 0, offset_ = 0; }
   LoaderState state() const;
   /// Continues from a saved state; throws naming the field if it belongs to other data or settings.
   void load_state(const LoaderState& s);
@@ -171,8 +229,15 @@ class DataLoader {
  private:
   std::shared_ptr<const TokenDataset> data_;
   LoaderOptions opts_;
-  int64_t num_windows_ = 0;
+  int64_t stream_size() const { return packed() ? num_documents() : num_windows_; }
+  bool packed() const { return opts_.packed_sequence_size > 0; }
+  // Packing: a document's first token and its length.
+  std::pair<int64_t, int64_t> document(int64_t id) const;
+
+  int64_t num_windows_ = 0;    // 0 when packing
   int64_t position_ = 0;
+  int64_t offset_ = 0;         // packing only
+  std::vector<int64_t> starts_;  // packing: where each document begins
 };
 
 /// How `quilt data prepare` cuts input text into documents.

@@ -13,6 +13,7 @@
 #include "models/llama/parallelize.h"
 #include "parallel/mixed_precision.h"
 #include "parallel/pipeline/split.h"
+#include "tools/tokenizer.h"
 
 namespace quilt {
 namespace fs = std::filesystem;
@@ -92,7 +93,9 @@ std::unique_ptr<DataLoader> make_loader(const RecipeConfig& cfg, const std::stri
   return std::make_unique<DataLoader>(
       data, LoaderOptions{.seq_len = t.seq_len, .global_batch_size = t.global_batch_size,
                           .micro_batch_size = t.micro_batch_size, .dp_rank = dp_rank, .dp_size = dp_size,
-                          .seed = uint64_t(t.seed), .shuffle = shuffle});
+                          .seed = uint64_t(t.seed), .shuffle = shuffle,
+                          .packed_sequence_size = cfg.packed_sequence.packed_sequence_size,
+                          .document_token = make_tokenizer(cfg.data.tokenizer)->eot_token()});
 }
 
 }  // namespace

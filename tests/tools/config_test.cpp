@@ -104,7 +104,7 @@ TEST_CASE("config: an override of the wrong type names the key, the expected typ
 
 TEST_CASE("config: unknown keys at every level name the dotted key and list the valid ones") {
   CHECK_THROWS_WITH_AS(parse(kMinimal + "trian: {steps: 3}\n"),
-                       doctest::Contains("unknown key 'trian' (test.yaml:2); valid keys: model, data, train"), Error);
+                       doctest::Contains("unknown key 'trian' (test.yaml:2); valid keys: model, data, packed_sequence, train"), Error);
   CHECK_THROWS_WITH_AS(parse(kMinimal + "train:\n  steps: 3\n  stpes: 4\n"),
                        doctest::Contains("unknown key 'train.stpes' (test.yaml:4); valid keys of train: steps, "
                                          "global_batch_size"),
@@ -406,4 +406,35 @@ TEST_CASE("config: model_config_mismatches names each recipe field that config.j
   CHECK(yarn[0].find("expected one of default | llama3, got 'yarn'") != std::string::npos);
   CHECK_THROWS_WITH_AS(model_config_mismatches(c.model, "{not json"),
                        doctest::Contains("hf/tiny/config.json is not valid JSON"), Error);
+}
+
+TEST_CASE("config: packing needs one row per micro-batch, rows of train.seq_len and sizes cp can split") {
+  const std::vector<std::string> pack = {"packed_sequence.packed_sequence_size=64", "train.seq_len=64",
+                                         "train.micro_batch_size=1"};
+  CHECK(parse(kMinimal).packed_sequence.packed_sequence_size == 0);
+  CHECK(check_recipe(parse(kMinimal, pack), 2).dp() == 2);
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> all = pack;
+    all.insert(all.end(), more.begin(), more.end());
+    return parse(kMinimal, all);
+  };
+  CHECK_THROWS_WITH_AS(check_recipe(with({"train.micro_batch_size=2"}), 1),
+                       "[config] train.micro_batch_size must be 1 with packing (packed_sequence.packed_sequence_size "
+                       "64), got 2",
+                       Error);
+  CHECK_THROWS_WITH_AS(check_recipe(with({"train.seq_len=128"}), 1),
+                       "[config] train.seq_len 128 differs from packed_sequence.packed_sequence_size 64: packed rows "
+                       "are train.seq_len tokens; set both to 64",
+                       Error);
+  CHECK_THROWS_WITH_AS(check_recipe(with({"packed_sequence.packed_sequence_size=36", "train.seq_len=36",
+                                          "distributed.cp_size=4"}),
+                                    4),
+                       "[config] packed_sequence.packed_sequence_size 36 is not divisible by 2 * cp_size = 8 "
+                       "(cp_size=4; context parallelism splits each document into 2 * cp_size load-balanced chunks)",
+                       Error);
+  CHECK(check_recipe(with({"distributed.cp_size=2"}), 2).cp() == 2);  // 64 splits into 4 chunks
+  CHECK_THROWS_WITH_AS(parse(kMinimal, {"packed_sequence.packed_sequence_size=-1"}),
+                       doctest::Contains("packed_sequence.packed_sequence_size must be >= 0, got -1"), Error);
+  CHECK_THROWS_WITH_AS(parse(kMinimal, {"packed_sequence.size=64"}),
+                       doctest::Contains("unknown key 'packed_sequence.size'"), Error);
 }

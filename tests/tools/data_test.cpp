@@ -473,3 +473,355 @@ TEST_CASE("data: the installed fortune corpus prepares into a real dataset") {
                     {.seq_len = 128, .global_batch_size = 8, .micro_batch_size = 2});
   CHECK(loader.num_windows() > 5000);
 }
+
+// ---- sequence packing -------------------------------------------------------------------------
+
+namespace {
+
+constexpr uint32_t kEot = 999;
+
+// Six documents A..F of 3, 5, 2, 20, 1 and 4 tokens, each opening with kEot; document k's other
+// tokens are 100 * (k + 1) + 1, + 2, ... The second shard begins inside D.
+std::shared_ptr<TokenDataset> six_documents(const TempDir& dir) {
+  std::vector<uint32_t> all;
+  const int lengths[] = {3, 5, 2, 20, 1, 4};
+  for (int k = 0; k < 6; ++k) {
+    all.push_back(kEot);
+    for (int j = 1; j < lengths[k]; ++j) all.push_back(uint32_t(100 * (k + 1) + j));
+  }
+  const size_t cut = 3 + 5 + 2 + 10;
+  write_token_shard(dir / "train_000000.bin", std::vector<uint32_t>(all.begin(), all.begin() + cut));
+  write_token_shard(dir / "train_000001.bin", std::vector<uint32_t>(all.begin() + cut, all.end()));
+  return std::make_shared<TokenDataset>(dir / "train_*.bin", DataFormat::kLlmc);
+}
+
+// 80 documents of 1..45 tokens over three shards (documents cross them), document k's tokens
+// after its kEot are 1000 + 50 * k + j.
+std::shared_ptr<TokenDataset> many_documents(const TempDir& dir) {
+  std::vector<uint32_t> all;
+  for (uint32_t k = 0; k < 80; ++k) {
+    all.push_back(kEot);
+    for (uint32_t j = 1; j < 1 + (k * 37) % 45; ++j) all.push_back(1000 + 50 * k + j);
+  }
+  const size_t a = all.size() / 3, b = 2 * all.size() / 3 + 7;
+  write_token_shard(dir / "train_000000.bin", std::vector<uint32_t>(all.begin(), all.begin() + long(a)));
+  write_token_shard(dir / "train_000001.bin", std::vector<uint32_t>(all.begin() + long(a), all.begin() + long(b)));
+  write_token_shard(dir / "train_000002.bin", std::vector<uint32_t>(all.begin() + long(b), all.end()));
+  return std::make_shared<TokenDataset>(dir / "train_*.bin", DataFormat::kLlmc);
+}
+
+LoaderOptions packing(int64_t n, int64_t global, int64_t multiple = 1) {
+  return {.seq_len = n, .global_batch_size = global, .seed = 21, .packed_sequence_size = n,
+          .document_token = kEot, .document_multiple = multiple};
+}
+
+std::vector<int64_t> row(const Tensor& t, int64_t r) {
+  const int64_t n = t.size(1);
+  return {t.data<int64_t>() + r * n, t.data<int64_t>() + (r + 1) * n};
+}
+
+// Every row of `b` against the pieces packed for it: tokens from the data, targets within the
+// piece, -100 at its end and on padding, positions from 0 per piece, ids counting the pieces,
+// the row's tail one more document. Returns the real (non-padding) tokens of the batch.
+int64_t check_packed_rows(const Batch& b, const std::vector<std::vector<PackedPiece>>& pieces,
+                          const TokenDataset& data, int64_t doc_token) {
+  const int64_t n = b.inputs.size(1);
+  int64_t real = 0;
+  for (int64_t r = 0; r < b.inputs.size(0); ++r) {
+    CAPTURE(r);
+    const std::vector<int64_t> in = row(b.inputs, r), tg = row(b.targets, r), pos = row(b.positions, r),
+                               doc = row(b.document_ids, r);
+    int64_t at = 0, id = 0;
+    for (const PackedPiece& p : pieces[size_t(r)]) {
+      std::vector<int64_t> tok(static_cast<size_t>(p.length));
+      data.read_tokens(p.start, p.length, tok.data());
+      for (int64_t j = 0; j < p.padded; ++j) {
+        const bool pad = j >= p.length;
+        CHECK(in[at + j] == (pad ? doc_token : tok[j]));
+        CHECK(tg[at + j] == (j + 1 < p.length ? tok[j + 1] : -100));
+        CHECK(pos[at + j] == j);
+        CHECK(doc[at + j] == id);
+      }
+      real += p.length, at += p.padded, ++id;
+    }
+    for (int64_t j = at; j < n; ++j) {
+      CHECK(in[j] == doc_token);
+      CHECK(tg[j] == -100);
+      CHECK(pos[j] == j - at);
+      CHECK(doc[j] == id);
+    }
+  }
+  return real;
+}
+
+}  // namespace
+
+TEST_CASE("packing: rows hold whole documents greedily, long ones cut into rows; positions restart, targets stop at each end") {
+  TempDir dir("pack_six");
+  LoaderOptions o = packing(8, 5);
+  o.shuffle = false;
+  DataLoader loader(six_documents(dir), o);
+  CHECK(loader.num_documents() == 6);
+  std::vector<Batch> step = loader.next_step();
+  REQUIRE(step.size() == 5);
+  const int64_t x = -100, e = kEot;
+  // A and B fill row 0; D does not fit after C, so row 1 is C and padding (its own document, id 1).
+  CHECK(row(step[0].inputs, 0) == std::vector<int64_t>{e, 101, 102, e, 201, 202, 203, 204});
+  CHECK(row(step[0].targets, 0) == std::vector<int64_t>{101, 102, x, 201, 202, 203, 204, x});
+  CHECK(row(step[0].positions, 0) == std::vector<int64_t>{0, 1, 2, 0, 1, 2, 3, 4});
+  CHECK(row(step[0].document_ids, 0) == std::vector<int64_t>{0, 0, 0, 1, 1, 1, 1, 1});
+  CHECK(row(step[1].inputs, 0) == std::vector<int64_t>{e, 301, e, e, e, e, e, e});
+  CHECK(row(step[1].targets, 0) == std::vector<int64_t>{301, x, x, x, x, x, x, x});
+  CHECK(row(step[1].positions, 0) == std::vector<int64_t>{0, 1, 0, 1, 2, 3, 4, 5});
+  CHECK(row(step[1].document_ids, 0) == std::vector<int64_t>{0, 0, 1, 1, 1, 1, 1, 1});
+  // D (20 tokens, across the shard boundary) is cut into 8 + 8 + 4, each piece its own document.
+  CHECK(row(step[2].inputs, 0) == std::vector<int64_t>{e, 401, 402, 403, 404, 405, 406, 407});
+  CHECK(row(step[2].targets, 0) == std::vector<int64_t>{401, 402, 403, 404, 405, 406, 407, x});
+  CHECK(row(step[3].inputs, 0) == std::vector<int64_t>{408, 409, 410, 411, 412, 413, 414, 415});
+  CHECK(row(step[3].targets, 0) == std::vector<int64_t>{409, 410, 411, 412, 413, 414, 415, x});
+  CHECK(row(step[3].positions, 0) == std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7});
+  // E is one token (no target): left out; D's last piece and F share row 4.
+  CHECK(row(step[4].inputs, 0) == std::vector<int64_t>{416, 417, 418, 419, e, 601, 602, 603});
+  CHECK(row(step[4].targets, 0) == std::vector<int64_t>{417, 418, 419, x, 601, 602, 603, x});
+  CHECK(row(step[4].positions, 0) == std::vector<int64_t>{0, 1, 2, 3, 0, 1, 2, 3});
+  CHECK(row(step[4].document_ids, 0) == std::vector<int64_t>{0, 0, 0, 0, 1, 1, 1, 1});
+  CHECK(step[0].inputs.dtype() == DType::i64);
+  CHECK(step[0].positions.dtype() == DType::i64);
+  CHECK(step[0].document_ids.dtype() == DType::i64);
+  // The step went through all six documents: the next one starts epoch 1.
+  CHECK(loader.position() == 6);
+  CHECK(loader.offset() == 0);
+  CHECK(loader.epoch() == 1);
+}
+
+TEST_CASE("packing: document_multiple pads each document at its end, keeping its id and continuing its positions") {
+  TempDir dir("pack_multiple");
+  LoaderOptions o = packing(8, 6, 4);
+  o.shuffle = false;
+  DataLoader loader(six_documents(dir), o);
+  std::vector<Batch> step = loader.next_step();
+  REQUIRE(step.size() == 6);
+  const int64_t x = -100, e = kEot;
+  // A (3) takes 4; B (5 -> 8) does not fit after it.
+  CHECK(row(step[0].inputs, 0) == std::vector<int64_t>{e, 101, 102, e, e, e, e, e});
+  CHECK(row(step[0].targets, 0) == std::vector<int64_t>{101, 102, x, x, x, x, x, x});
+  CHECK(row(step[0].positions, 0) == std::vector<int64_t>{0, 1, 2, 3, 0, 1, 2, 3});
+  CHECK(row(step[0].document_ids, 0) == std::vector<int64_t>{0, 0, 0, 0, 1, 1, 1, 1});
+  CHECK(row(step[1].inputs, 0) == std::vector<int64_t>{e, 201, 202, 203, 204, e, e, e});
+  CHECK(row(step[1].targets, 0) == std::vector<int64_t>{201, 202, 203, 204, x, x, x, x});
+  CHECK(row(step[1].positions, 0) == std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7});
+  CHECK(row(step[1].document_ids, 0) == std::vector<int64_t>{0, 0, 0, 0, 0, 0, 0, 0});
+  CHECK(row(step[2].inputs, 0) == std::vector<int64_t>{e, 301, e, e, e, e, e, e});
+  CHECK(row(step[2].positions, 0) == std::vector<int64_t>{0, 1, 2, 3, 0, 1, 2, 3});
+  CHECK(row(step[2].document_ids, 0) == std::vector<int64_t>{0, 0, 0, 0, 1, 1, 1, 1});
+  CHECK(row(step[5].inputs, 0) == std::vector<int64_t>{416, 417, 418, 419, e, 601, 602, 603});
+  CHECK(row(step[5].document_ids, 0) == std::vector<int64_t>{0, 0, 0, 0, 1, 1, 1, 1});
+  // Without shuffling epoch 1 starts at A again.
+  CHECK(row(loader.next_step()[0].inputs, 0) == row(step[0].inputs, 0));
+  // Every piece's padded length is a multiple of 4, so every document splits into 2 * cp chunks at cp 2.
+  const PackedStep s = loader.packed_step(0, 0);
+  for (const auto& r : s.rows)
+    for (const PackedPiece& p : r) CHECK(p.padded % 4 == 0);
+}
+
+TEST_CASE("packing: the stream visits every document once per epoch in the shuffled order, rows filled greedily") {
+  TempDir dir("pack_stream");
+  auto data = many_documents(dir);
+  for (int64_t multiple : {1, 2, 4}) {
+    CAPTURE(multiple);
+    const int64_t n = 16;
+    DataLoader loader(data, packing(n, 4, multiple));
+    const int64_t docs = loader.num_documents();
+    REQUIRE(docs == 80);
+    const std::vector<int64_t> starts = data->document_starts(kEot);
+    // The order: a permutation per epoch, not file order, different per epoch.
+    std::vector<int64_t> e0, e1, all(static_cast<size_t>(docs));
+    for (int64_t p = 0; p < docs; ++p) e0.push_back(loader.document_at(p)), e1.push_back(loader.document_at(p + docs));
+    std::iota(all.begin(), all.end(), 0);
+    CHECK(e0 != all);
+    CHECK(e0 != e1);
+    std::sort(e0.begin(), e0.end());
+    CHECK(e0 == all);
+    // Expected pieces, in stream order, for two epochs and a bit: each document cut every n
+    // tokens, lone tokens left out.
+    std::vector<std::pair<int64_t, int64_t>> expect, got;
+    for (int64_t p = 0; p < 2 * docs + 40; ++p) {
+      const int64_t d = loader.document_at(p);
+      const int64_t begin = starts[size_t(d)];
+      const int64_t len = (d + 1 < docs ? starts[size_t(d + 1)] : data->num_tokens()) - begin;
+      for (int64_t off = 0; off < len; off += n)
+        if (std::min(n, len - off) >= 2) expect.emplace_back(begin + off, std::min(n, len - off));
+    }
+    std::vector<std::vector<PackedPiece>> rows_seen;
+    int64_t position = 0, offset = 0;
+    while (position < 2 * docs) {
+      PackedStep s = loader.packed_step(position, offset);
+      for (int64_t m = 0; m < loader.accumulation_steps(); ++m)
+        check_packed_rows(loader.packed_batch(s, m), {s.rows[size_t(m)]}, *data, kEot);
+      for (const auto& r : s.rows) rows_seen.push_back(r);
+      position = s.end_position, offset = s.end_offset;
+    }
+    for (const auto& r : rows_seen)
+      for (const PackedPiece& p : r) got.emplace_back(p.start, p.length);
+    REQUIRE(got.size() <= expect.size());
+    CHECK(std::equal(got.begin(), got.end(), expect.begin()));
+    // Greedy: each row is full up to what the next row's first piece would need.
+    for (size_t i = 0; i + 1 < rows_seen.size(); ++i) {
+      int64_t used = 0;
+      for (const PackedPiece& p : rows_seen[i]) {
+        used += p.padded;
+        const bool aligned = p.padded % multiple == 0;
+        CHECK(aligned);
+      }
+      CHECK(used <= n);
+      REQUIRE(!rows_seen[i + 1].empty());
+      CHECK(used + rows_seen[i + 1].front().padded > n);
+    }
+  }
+}
+
+TEST_CASE("packing: two loaders agree, and dp ranks read disjoint rows whose union is the one-rank step") {
+  TempDir dir("pack_dp");
+  auto data = many_documents(dir);
+  for (int64_t mb : {1, 2}) {
+    CAPTURE(mb);
+    LoaderOptions o = packing(16, 8, 2);
+    o.micro_batch_size = mb;
+    DataLoader one(data, o), again(data, o);
+    for (int step = 0; step < 12; ++step) {  // 12 * 8 rows pass the 80 documents: crosses an epoch
+      const LoaderState before = one.state();
+      std::vector<Batch> a = one.next_step(), b = again.next_step();
+      REQUIRE(a.size() == size_t(8 / mb));
+      std::vector<int64_t> ref;
+      for (size_t m = 0; m < a.size(); ++m) {
+        CHECK(rows(a[m].inputs) == rows(b[m].inputs));
+        CHECK(rows(a[m].targets) == rows(b[m].targets));
+        CHECK(rows(a[m].positions) == rows(b[m].positions));
+        CHECK(rows(a[m].document_ids) == rows(b[m].document_ids));
+        for (int64_t t : rows(a[m].inputs)) ref.push_back(t);
+      }
+      for (int64_t dp : {2, 4}) {
+        if (8 % (mb * dp) != 0) continue;
+        CAPTURE(dp);
+        std::vector<std::vector<Batch>> per_rank;
+        for (int64_t r = 0; r < dp; ++r) {
+          LoaderOptions ro = o;
+          ro.dp_rank = r, ro.dp_size = dp;
+          DataLoader rank(data, ro);
+          rank.load_state(before);
+          per_rank.push_back(rank.next_step());
+          CHECK(rank.state() == one.state());  // every rank's cursor moves past the whole global step
+        }
+        // Micro-step m of rank r holds rows [m * mb * dp + r * mb, ... + mb) of the global step,
+        // so taking them micro-step by micro-step, rank by rank, gives the one-rank rows in order.
+        std::vector<int64_t> got;
+        for (size_t m = 0; m < per_rank[0].size(); ++m)
+          for (int64_t r = 0; r < dp; ++r)
+            for (int64_t t : rows(per_rank[size_t(r)][m].inputs)) got.push_back(t);
+        CHECK(got == ref);
+        CHECK(rows(per_rank[0][0].inputs) != rows(per_rank[1][0].inputs));
+      }
+    }
+  }
+}
+
+TEST_CASE("packing: a restored loader continues exactly, also inside a long document and under another dp") {
+  TempDir dir("pack_resume");
+  auto data = many_documents(dir);
+  const LoaderOptions o = packing(16, 4, 2);
+  DataLoader a(data, o);
+  int inside = 0;  // saved states that fall inside a cut document
+  for (int step = 0; step < 30; ++step) {
+    const LoaderState st = LoaderState::from_json(a.state().to_json());
+    CHECK(st == a.state());
+    inside += st.offset > 0;
+    std::vector<Batch> expect = a.next_step();
+    DataLoader b(data, o);
+    b.load_state(st);
+    std::vector<Batch> got = b.next_step();
+    REQUIRE(got.size() == expect.size());
+    for (size_t m = 0; m < got.size(); ++m) {
+      CHECK(rows(got[m].inputs) == rows(expect[m].inputs));
+      CHECK(rows(got[m].targets) == rows(expect[m].targets));
+      CHECK(rows(got[m].positions) == rows(expect[m].positions));
+      CHECK(rows(got[m].document_ids) == rows(expect[m].document_ids));
+    }
+    // Under dp 2 the ranks' rows are that same step, split.
+    std::vector<int64_t> split, whole;
+    for (const Batch& e : expect)
+      for (int64_t t : rows(e.inputs)) whole.push_back(t);
+    for (int64_t m = 0; m < 2; ++m)
+      for (int64_t r = 0; r < 2; ++r) {
+        LoaderOptions ro = o;
+        ro.dp_rank = r, ro.dp_size = 2;
+        DataLoader rank(data, ro);
+        rank.load_state(st);
+        for (int64_t t : rows(rank.next_step()[size_t(m)].inputs)) split.push_back(t);
+      }
+    CHECK(split == whole);
+  }
+  CHECK(inside > 0);
+  // The cursor is layout-free: another document_multiple (another cp) resumes from it too.
+  LoaderOptions other = o;
+  other.document_multiple = 4;
+  DataLoader c(data, other);
+  CHECK_NOTHROW(c.load_state(a.state()));
+  CHECK(c.position() == a.position());
+  CHECK(c.offset() == a.offset());
+  // A state without packing writes no packing fields (checkpoints stay as they were).
+  DataLoader windows(data, {.seq_len = 16, .global_batch_size = 4});
+  CHECK(windows.state().to_json().find("offset") == std::string::npos);
+  CHECK(a.state().to_json().find("\"offset\"") != std::string::npos);
+}
+
+TEST_CASE("packing: validation reads documents in file order and restarts on reset") {
+  TempDir dir("pack_validation");
+  auto data = many_documents(dir);
+  LoaderOptions o = packing(16, 4);
+  o.shuffle = false;
+  DataLoader v(data, o);
+  for (int64_t p = 0; p < 80; ++p) CHECK(v.document_at(p) == p);
+  std::vector<Batch> first = v.next_step();
+  v.next_step();
+  v.reset();
+  CHECK(v.position() == 0);
+  CHECK(rows(v.next_step()[0].inputs) == rows(first[0].inputs));
+}
+
+TEST_CASE("packing: bad options and saved states from other settings are refused, naming them") {
+  TempDir dir("pack_bad");
+  auto data = many_documents(dir);
+  LoaderOptions o = packing(16, 4);
+  o.seq_len = 32;
+  CHECK_THROWS_WITH_AS(DataLoader(data, o), doctest::Contains("packed_sequence_size 16 differs from seq_len 32"), Error);
+  o = packing(16, 4);
+  o.document_token = -1;
+  CHECK_THROWS_WITH_AS(DataLoader(data, o), doctest::Contains("packing needs document_token"), Error);
+  CHECK_THROWS_WITH_AS(DataLoader(data, packing(16, 4, 3)),
+                       doctest::Contains("document_multiple 3 does not divide the packed row length 16"), Error);
+  // Only one-token documents: nothing to learn from.
+  write_token_shard(dir / "eot.bin", std::vector<uint32_t>(10, kEot));
+  auto lone = std::make_shared<TokenDataset>(dir / "eot.bin", DataFormat::kLlmc);
+  CHECK_THROWS_WITH_AS(DataLoader(lone, packing(16, 4)),
+                       doctest::Contains("10 document(s) (split at token 999) hold no document of two tokens or more"),
+                       Error);
+
+  DataLoader packed(data, packing(16, 4)), windows(data, {.seq_len = 16, .global_batch_size = 4, .seed = 21});
+  CHECK_THROWS_WITH_AS(windows.load_state(packed.state()),
+                       doctest::Contains("packed_sequence_size 16 but this run has packed_sequence.packed_sequence_size 0"),
+                       Error);
+  CHECK_THROWS_WITH_AS(packed.load_state(windows.state()),
+                       doctest::Contains("packed_sequence_size 0 but this run has packed_sequence.packed_sequence_size 16"),
+                       Error);
+  LoaderState s = packed.state();
+  s.num_documents = 81;
+  CHECK_THROWS_WITH_AS(packed.load_state(s), doctest::Contains("covers 81 documents but"), Error);
+  s = packed.state();
+  s.offset = 1000;
+  CHECK_THROWS_WITH_AS(packed.load_state(s), doctest::Contains("offset 1000 is outside the"), Error);
+  CHECK_THROWS_WITH_AS(LoaderState::from_json("{\"position\": 0, \"seed\": 1, \"seq_len\": 16, \"num_windows\": 0, "
+                                              "\"shuffle\": true, \"packed_sequence_size\": 16}"),
+                       doctest::Contains("has no field 'num_documents'"), Error);
+  CHECK_THROWS_WITH_AS(packed.window_at(0), doctest::Contains("a packing loader reads documents"), Error);
+  CHECK_THROWS_WITH_AS(windows.document_at(0), doctest::Contains("reads windows, not documents"), Error);
+}
