@@ -248,13 +248,12 @@ enum class DocSplit {
   kFile,       // each file is one document
 };
 
+/// Options of `quilt data prepare`.
 /// How far `quilt data prepare` has come: input bytes read of all, documents and tokens so far.
 struct PrepareProgress {
   int64_t bytes = 0, total_bytes = 0, documents = 0, tokens = 0;
   bool done = false;
 };
-
-/// Options of `quilt data prepare`.
 
 struct PrepareOptions {
   std::vector<std::string> inputs;  // files or directories (their regular files; *.dat skipped)

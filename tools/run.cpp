@@ -169,7 +169,7 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
     // Under tp the residual stream between blocks (so between stages) is each rank's plain
     // shard (the tp plan lays it out at every block's input), so it travels as it is.
     LlamaForCausalLM* raw = m.get();
-    refs.push_back({.stage = s, .forward = [raw](const Tensor& x, const Tensor& pos) { return (*raw)(x, pos); }, .dp = dp});
+    refs.push_back({.stage = s, .forward = [raw](const Tensor& x, const Tensor& pos, const Tensor& docs) { return (*raw)(x, pos, docs); }, .dp = dp});
     r->stages.push_back(m);
     if (!r->model) {
       r->model = m;
@@ -238,7 +238,7 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   }
   LlamaForCausalLM* m = r->model.get();
   r->step = std::make_unique<LocalTrainStep>(
-      [m](const Tensor& tokens, const Tensor& positions) { return (*m)(tokens, positions); },
+      [m](const Tensor& tokens, const Tensor& positions, const Tensor& docs) { return (*m)(tokens, positions, docs); },
       StepHooks{.dp = r->dp, .defer_fsdp_grad_sync = cfg.distributed.defer_fsdp_grad_sync, .loss_comm = loss_comm});
   return r;
 }

@@ -18,7 +18,8 @@ Tensor default_positions(const Tensor& tokens) {
 }
 
 Tensor LocalTrainStep::loss_of(const Batch& b) {
-  return causal_lm_loss(forward_(b.inputs, default_positions(b.inputs)), b.targets);
+  const Tensor positions = b.positions.defined() ? b.positions : default_positions(b.inputs);
+  return causal_lm_loss(forward_(b.inputs, positions, b.document_ids), b.targets);
 }
 
 double LocalTrainStep::global_mean(double local_sum, size_t count) {
@@ -69,7 +70,9 @@ std::vector<pipeline::MicroBatch> PipelineTrainStep::cut(const Batch& b) const {
   std::vector<pipeline::MicroBatch> out;
   for (int64_t r = 0; r < rows; r += opts_.rows) {
     const Tensor tokens = b.inputs.narrow(0, r, opts_.rows).contiguous();
-    out.push_back({tokens, b.targets.narrow(0, r, opts_.rows).contiguous(), default_positions(tokens)});
+    auto rows_of = [&](const Tensor& t) { return t.defined() ? t.narrow(0, r, opts_.rows).contiguous() : Tensor(); };
+    const Tensor positions = b.positions.defined() ? rows_of(b.positions) : default_positions(tokens);
+    out.push_back({tokens, rows_of(b.targets), positions, rows_of(b.document_ids)});
   }
   return out;
 }

@@ -44,8 +44,9 @@ struct StepHooks {
   std::shared_ptr<Communicator> loss_comm;  // ranks whose losses are averaged (dp x cp); null: none
 };
 
-/// A model's forward: tokens (B, T) and positions (B, T) -> logits (B, T, V).
-using LMForward = std::function<Tensor(const Tensor& tokens, const Tensor& positions)>;
+/// A model's forward: tokens (B, T), positions (B, T) and documents ((B, T), or undefined) ->
+/// logits (B, T, V).
+using LMForward = std::function<Tensor(const Tensor& tokens, const Tensor& positions, const Tensor& document_ids)>;
 
 /// The step of a model that runs whole on this rank (no pipeline): micro-batches in turn.
 class LocalTrainStep : public TrainStep {

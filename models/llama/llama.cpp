@@ -228,13 +228,22 @@ LlamaAttention::LlamaAttention(const LlamaConfig& cfg)
   }
 }
 
-Tensor LlamaAttention::operator()(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  return call_with_hooks({x, cos, sin}, [this](const std::vector<Tensor>& in) {
-    return std::vector<Tensor>{forward_rope(in[0], in[1], in[2])};
+Tensor local_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& /*positions*/,
+                              const Tensor& document_ids) {
+  // The tokens of a row are in order (positions restart per document in packed rows, where
+  // the document mask keeps attention inside each document), so causal by index suffices.
+  return scaled_dot_product_attention(q, k, v, {.causal = true, .document_ids = document_ids}).out;
+}
+
+Tensor LlamaAttention::operator()(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                                  const Tensor& document_ids) {
+  return call_with_hooks({x, cos, sin, positions, document_ids}, [this](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{forward_rope(in[0], in[1], in[2], in[3], in[4])};
   })[0];
 }
 
-Tensor LlamaAttention::forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+Tensor LlamaAttention::forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                                    const Tensor& document_ids) {
   const int64_t b = x.size(0), t = x.size(1);
   // (B, T, H*D) -> (B, H, T, D); under tensor parallelism H is this rank's heads.
   Tensor q = (*q_proj)(x).view({b, t, -1, head_dim_});
@@ -250,7 +259,7 @@ Tensor LlamaAttention::forward_rope(const Tensor& x, const Tensor& cos, const Te
   Tensor v = (*v_proj)(x).view({b, t, -1, head_dim_}).transpose(1, 2);
   q = rotary_embedding(q, cos, sin);
   k = rotary_embedding(k, cos, sin);
-  Tensor y = scaled_dot_product_attention(q, k, v, {.causal = true}).out;
+  Tensor y = attention(q, k, v, positions, document_ids);
   return (*o_proj)(y.transpose(1, 2).reshape({b, t, -1}));
 }
 
@@ -272,14 +281,16 @@ LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& cfg, int64_t layer) : Mo
       register_module("post_attention_layernorm", std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps));
 }
 
-Tensor LlamaDecoderLayer::operator()(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  return call_with_hooks({x, cos, sin}, [this](const std::vector<Tensor>& in) {
-    return std::vector<Tensor>{forward_block(in[0], in[1], in[2])};
+Tensor LlamaDecoderLayer::operator()(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                                     const Tensor& document_ids) {
+  return call_with_hooks({x, cos, sin, positions, document_ids}, [this](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{forward_block(in[0], in[1], in[2], in[3], in[4])};
   })[0];
 }
 
-Tensor LlamaDecoderLayer::forward_block(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  Tensor h = x + (*self_attn)((*input_layernorm)(x), cos, sin);
+Tensor LlamaDecoderLayer::forward_block(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                                        const Tensor& document_ids) {
+  Tensor h = x + (*self_attn)((*input_layernorm)(x), cos, sin, positions, document_ids);
   return h + (*mlp)((*post_attention_layernorm)(h));
 }
 
@@ -335,13 +346,13 @@ std::pair<Tensor, Tensor> LlamaModel::rope(const Tensor& positions) {
   return {c, s};
 }
 
-Tensor LlamaModel::operator()(const Tensor& x, const Tensor& positions) {
-  return call_with_hooks({x, positions}, [this](const std::vector<Tensor>& in) {
-    return std::vector<Tensor>{forward(in[0], in[1])};
+Tensor LlamaModel::operator()(const Tensor& x, const Tensor& positions, const Tensor& document_ids) {
+  return call_with_hooks({x, positions, document_ids}, [this](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{forward(in[0], in[1], in[2])};
   })[0];
 }
 
-Tensor LlamaModel::forward(const Tensor& x, const Tensor& positions) {
+Tensor LlamaModel::forward(const Tensor& x, const Tensor& positions, const Tensor& document_ids) {
   Tensor h = x;
   if (embed_tokens) {
     QUILT_CHECK(x.dim() == 2 && !is_floating(x.dtype()), "[LlamaModel] tokens must be (batch, seq) integers, got shape ",
@@ -352,7 +363,8 @@ Tensor LlamaModel::forward(const Tensor& x, const Tensor& positions) {
                 "states (batch, seq, ", cfg_.hidden_size, "), got shape ", x.shape(), " ", dtype_name(x.dtype()));
   }
   auto [c, s] = rope(positions);
-  for (const auto& [key, m] : *layers) h = static_cast<LlamaDecoderLayer&>(*m)(h, c, s);
+  for (const auto& [key, m] : *layers)
+    h = static_cast<LlamaDecoderLayer&>(*m)(h, c, s, positions, document_ids);
   return norm ? (*norm)(h) : h;
 }
 
@@ -373,14 +385,14 @@ LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& cfg, const LlamaStage& sta
   }
 }
 
-Tensor LlamaForCausalLM::operator()(const Tensor& x, const Tensor& positions) {
-  return call_with_hooks({x, positions}, [this](const std::vector<Tensor>& in) {
-    return std::vector<Tensor>{forward(in[0], in[1])};
+Tensor LlamaForCausalLM::operator()(const Tensor& x, const Tensor& positions, const Tensor& document_ids) {
+  return call_with_hooks({x, positions, document_ids}, [this](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{forward(in[0], in[1], in[2])};
   })[0];
 }
 
-Tensor LlamaForCausalLM::forward(const Tensor& x, const Tensor& positions) {
-  Tensor h = (*model)(x, positions);
+Tensor LlamaForCausalLM::forward(const Tensor& x, const Tensor& positions, const Tensor& document_ids) {
+  Tensor h = (*model)(x, positions, document_ids);
   if (!has_head()) return h;
   return lm_head ? (*lm_head)(h) : linear(h, model->embed_tokens->weight());
 }

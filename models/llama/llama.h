@@ -16,6 +16,7 @@
 //   Tensor same = last(first(tokens, pos), pos);      // hidden (B, T, C) between stages
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -97,17 +98,32 @@ struct LlamaStage {
   bool head = true;
 };
 
+/// The attention of a layer: q (B, Hq, T, D), k and v (B, Hkv, T, D) after RoPE, with the
+/// tokens' positions ((T) or (B, T) integers) and, for packed rows, their documents ((B, T)
+/// integers, or undefined) -> (B, Hq, T, D), causal within each document. Context parallelism
+/// installs its own (the tokens here are then this rank's chunks of the sequence).
+using AttentionFn = std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
+                                         const Tensor& document_ids)>;
+
+/// Causal attention on this rank alone, per document when `document_ids` is defined.
+Tensor local_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
+                              const Tensor& document_ids);
+
 class LlamaAttention : public Module {
  public:
   explicit LlamaAttention(const LlamaConfig& cfg);
-  /// x (B, T, C) with rotary tables broadcastable to (B, H, T, D/2) -> (B, T, C), causal;
-  /// through the module's hooks, which see all three inputs.
-  Tensor operator()(const Tensor& x, const Tensor& cos, const Tensor& sin);
+  /// x (B, T, C) with rotary tables broadcastable to (B, H, T, D/2), the tokens' positions and
+  /// documents (undefined: one document per row) -> (B, T, C), causal; through the module's
+  /// hooks, which see all five inputs.
+  Tensor operator()(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                    const Tensor& document_ids);
   using Module::operator();
   /// The computation of operator() without the hooks.
-  Tensor forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
+  Tensor forward_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                      const Tensor& document_ids);
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
   std::shared_ptr<RMSNorm> q_norm, k_norm;  // qk_norm only
+  AttentionFn attention = local_causal_attention;
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
@@ -124,12 +140,15 @@ class LlamaDecoderLayer : public Module {
  public:
   /// Decoder layer `layer` (its MLP is an MoE when cfg.is_sparse_layer(layer)).
   LlamaDecoderLayer(const LlamaConfig& cfg, int64_t layer);
-  /// One block: x (B, T, C) with rotary tables broadcastable to (B, H, T, D/2), through the
-  /// module's hooks and forward wrapper (which see all three inputs).
-  Tensor operator()(const Tensor& x, const Tensor& cos, const Tensor& sin);
+  /// One block: x (B, T, C) with rotary tables broadcastable to (B, H, T, D/2), the tokens'
+  /// positions and documents (see LlamaAttention), through the module's hooks and forward
+  /// wrapper (which see all five inputs).
+  Tensor operator()(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                    const Tensor& document_ids);
   using Module::operator();
   /// The computation of operator() without the hooks.
-  Tensor forward_block(const Tensor& x, const Tensor& cos, const Tensor& sin);
+  Tensor forward_block(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                       const Tensor& document_ids);
   std::shared_ptr<LlamaAttention> self_attn;
   std::shared_ptr<Module> mlp;  // LlamaMLP, or MoE in a sparse layer
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
@@ -140,10 +159,11 @@ class LlamaModel : public Module {
   explicit LlamaModel(const LlamaConfig& cfg, const LlamaStage& stage = {});
   /// tokens (B, T) i64 (when the embedding is held) or hidden states (B, T, C), at `positions`
   /// (T) or (B, T) i64 -> hidden states (B, T, C), normed when the final norm is held.
-  Tensor operator()(const Tensor& x, const Tensor& positions);
+  /// `document_ids` (B, T) integers: attention stays within each document (packed rows).
+  Tensor operator()(const Tensor& x, const Tensor& positions, const Tensor& document_ids = {});
   using Module::operator();
   /// The computation of operator() without the hooks.
-  Tensor forward(const Tensor& x, const Tensor& positions);
+  Tensor forward(const Tensor& x, const Tensor& positions, const Tensor& document_ids = {});
   /// forward(x, positions 0..T-1).
   Tensor forward(const Tensor& x) override;
   /// The rotary tables (cos, sin) at `positions`: (T, D/2) for (T), (B, 1, T, D/2) for (B, T).
@@ -166,10 +186,11 @@ class LlamaForCausalLM : public Module {
   explicit LlamaForCausalLM(const LlamaConfig& cfg, const LlamaStage& stage = {});
   /// tokens (B, T) i64 or hidden (B, T, C) at `positions` (T) or (B, T) i64 -> logits (B, T, V)
   /// when the head is held, else hidden states (B, T, C); through the module's hooks.
-  Tensor operator()(const Tensor& x, const Tensor& positions);
+  /// `document_ids` (B, T) integers: attention stays within each document (packed rows).
+  Tensor operator()(const Tensor& x, const Tensor& positions, const Tensor& document_ids = {});
   using Module::operator();
   /// The computation of operator() without the hooks.
-  Tensor forward(const Tensor& x, const Tensor& positions);
+  Tensor forward(const Tensor& x, const Tensor& positions, const Tensor& document_ids = {});
   /// forward(x, positions 0..T-1).
   Tensor forward(const Tensor& x) override;
   const LlamaConfig& config() const { return cfg_; }

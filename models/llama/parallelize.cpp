@@ -21,9 +21,9 @@ TensorParallelPlan llama_tp_plan(bool sequence_parallel, bool loss_parallel) {
     // One layout change per block input (an all-gather under SP), shared by its projections,
     // whose input gradients then meet as one partial sum (one all-reduce in backward).
     PrepareModuleInput in{.input_layouts = {stream}, .desired_input_layouts = {Replicate()}};
-    if (block == std::string("self_attn")) {  // (x, cos, sin): the rotary tables stay plain
-      in.input_layouts.resize(3);
-      in.desired_input_layouts.resize(3);
+    if (block == std::string("self_attn")) {  // (x, cos, sin, positions, documents): all but x stay plain
+      in.input_layouts.resize(5);
+      in.desired_input_layouts.resize(5);
     }
     plan.add(std::string("model.layers.*.") + block, in);
   }

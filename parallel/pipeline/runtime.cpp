@@ -120,7 +120,7 @@ void PipelineRunner::forward(const Action& a, const std::vector<MicroBatch>& mbs
     sl.pending.wait();
     x = sl.input.set_requires_grad(true);
   }
-  Tensor out = stage(a.stage).forward(x, mb.positions);
+  Tensor out = stage(a.stage).forward(x, mb.positions, mb.document_ids);
   if (a.stage == num_stages_ - 1) {
     out = loss_(out, mb.targets);
     loss_sum_ += plain(out).item<double>();

@@ -26,14 +26,16 @@ namespace quilt::pipeline {
 /// One stage held by this rank.
 struct StageRef {
   int stage = 0;
-  /// Tokens (first stage) or hidden states, and positions -> hidden states, or logits on the last stage.
-  std::function<Tensor(const Tensor& x, const Tensor& positions)> forward;
+  /// Tokens (first stage) or hidden states, positions and documents (undefined: one per row) ->
+  /// hidden states, or logits on the last stage.
+  std::function<Tensor(const Tensor& x, const Tensor& positions, const Tensor& document_ids)> forward;
   DataParallelism dp;  // the stage's gradient synchronisation, if any
 };
 
-/// A pipeline micro-batch: tokens (first stage), targets (last stage) and positions (every stage).
+/// A pipeline micro-batch: tokens (first stage), targets (last stage), positions and documents
+/// (every stage; documents undefined unless rows are packed).
 struct MicroBatch {
-  Tensor tokens, targets, positions;
+  Tensor tokens, targets, positions, document_ids;
 };
 
 /// One action as it ran: microseconds from the start of the step (which begins on every

@@ -61,7 +61,7 @@ void check_against_whole(const std::string& schedule, int pp, int n, bool varied
           cfg, LlamaStage{.first_layer = sp.first_layer, .end_layer = sp.end_layer, .embed = sp.embed, .head = sp.head});
       m->init_weights(3);
       LlamaForCausalLM* raw = m.get();
-      refs.push_back({.stage = int(s), .forward = [raw](const Tensor& x, const Tensor& p) { return (*raw)(x, p); }});
+      refs.push_back({.stage = int(s), .forward = [raw](const Tensor& x, const Tensor& p, const Tensor&) { return (*raw)(x, p); }});
       models.push_back(m);
     }
     PipelineRunner runner(lists, c.shared_from_this(), refs, int(ranks.size()), lm_loss);
