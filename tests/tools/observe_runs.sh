@@ -19,11 +19,6 @@ mode=$1
 work=$(mktemp -d /tmp/quilt-observe-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 source "$(dirname "$0")/tiny_run.sh"
-run() {  # run NAME NP [--set ...]
-  local name=$1 np=$2; shift 2
-  "${mpi[@]}" -n "$np" "$quilt" train "${common[@]}" --set "logging.dir=$work/$name" "$@" > "$work/$name.log" 2>&1 ||
-    { cat "$work/$name.log"; echo "run $name failed"; exit 1; }
-}
 is_png() { [ -s "$1" ] && [ "$(head -c 8 "$1" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ]; }
 refused() {  # refused EXPECTED_TEXT CMD...: CMD fails and prints the text
   local expect=$1; shift

@@ -52,15 +52,21 @@ int check_has(const nlohmann::json& j, int ranks, const std::vector<std::string>
   return bad;
 }
 
+// Parses `path` into `j`; false (with the reason on stderr) when it is not valid JSON.
+bool load(const char* path, nlohmann::json& j) {
+  try {
+    j = nlohmann::json::parse(std::ifstream(path));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s is not valid JSON: %s\n", path, e.what());
+    return false;
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
   if (argc >= 4 && std::string(argv[3]) == "--has") {
     nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(std::ifstream(argv[1]));
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s is not valid JSON: %s\n", argv[1], e.what());
-      return 1;
-    }
+    if (!load(argv[1], j)) return 1;
     const int bad = check_has(j, std::stoi(argv[2]), std::vector<std::string>(argv + 4, argv + argc));
     std::printf("trace_check: %s%s\n", argv[1], bad ? ": FAILED" : ": every rank has every kind of slice");
     return bad ? 1 : 0;
@@ -70,12 +76,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(std::ifstream(argv[1]));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s is not valid JSON: %s\n", argv[1], e.what());
-    return 1;
-  }
+  if (!load(argv[1], j)) return 1;
   const int ranks = std::stoi(argv[2]), per_rank = std::stoi(argv[3]);
   std::map<int, std::string> names;
   std::map<int, std::vector<std::pair<double, double>>> compute;

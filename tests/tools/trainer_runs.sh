@@ -13,11 +13,6 @@ mode=$1; shift
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 source "$(dirname "$0")/tiny_run.sh"
-run() {  # run NAME NP [--set ...]
-  local name=$1 np=$2; shift 2
-  "${mpi[@]}" -n "$np" "$quilt" train "${common[@]}" --set "logging.dir=$work/$name" "$@" > "$work/$name.log" 2>&1 ||
-    { cat "$work/$name.log"; echo "run $name failed"; exit 1; }
-}
 case "$mode" in
   equivalence)
     layout=$1; np=$2; shift 2
