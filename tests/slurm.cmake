@@ -21,6 +21,7 @@ function(quilt_slurm_test name mode)
 endfunction()
 quilt_slurm_test("srun --mpi=pmix -n 4 prints the same losses as mpiexec -n 4, ranks from Slurm's environment" losses)
 quilt_slurm_test("sbatch recipes/slurm/train.sbatch runs to completion" sbatch)
+quilt_slurm_test("srun -n 4 with rank 2 killed by SIGKILL mid-run ends in under 60 s, non-zero, task 2 named" killed)
 
 function(quilt_observe_test name mode)
   add_test(NAME "observe: ${name}"
