@@ -56,6 +56,7 @@ struct DistributedConfig {
   int64_t tp_size = 1;
   int64_t pp_size = 1;
   int64_t cp_size = 1;
+  std::string cp_comm_type = "ring";  // ring | all_gather | a2a: how context-parallel attention meets the keys
   int64_t ep_size = 1;
   bool sequence_parallel = false;
   bool activation_checkpointing = false;

@@ -46,6 +46,25 @@ quilt_trainer_test("fsdp 2 x tp 2 with selective activation checkpointing follow
   --set distributed.activation_checkpointing_mode=selective)
 quilt_trainer_test("fsdp 2 with activation checkpointing follows the one-rank loss curve" equivalence fsdp2ac 2
   --set distributed.strategy=fsdp2 --set distributed.activation_checkpointing=true)
+# Context parallelism: each comm type at cp 2 and 4, with fsdp, tp (and SP), AC, packed rows.
+foreach(_cp ring all_gather a2a)
+  quilt_trainer_test("cp 2 (${_cp}) follows the one-rank loss curve" equivalence cp2${_cp} 2
+    --set distributed.cp_size=2 --set distributed.cp_comm_type=${_cp})
+  quilt_trainer_test("cp 4 (${_cp}) follows the one-rank loss curve" equivalence_kv4 cp4${_cp} 4
+    --set distributed.cp_size=4 --set distributed.cp_comm_type=${_cp})
+endforeach()
+quilt_trainer_test("fsdp 2 x cp 2 follows the one-rank loss curve" equivalence fsdp2cp2 4 --set distributed.cp_size=2)
+quilt_trainer_test("tp 2 x cp 2 with sequence parallel follows the one-rank loss curve" equivalence tp2cp2 4
+  --set distributed.cp_size=2 --set distributed.tp_size=2 --set distributed.sequence_parallel=true)
+quilt_trainer_test("cp 2 (a2a) with selective activation checkpointing follows the one-rank loss curve" equivalence
+  cp2sac 2 --set distributed.cp_size=2 --set distributed.cp_comm_type=a2a --set distributed.activation_checkpointing=true
+  --set distributed.activation_checkpointing_mode=selective)
+quilt_trainer_test("packed rows under cp 2 (ring) follow the packed one-rank curve" equivalence_packed cp2packed 2
+  --set distributed.cp_size=2)
+quilt_trainer_test("packed rows under fsdp 2 x cp 2 (all_gather) follow the packed one-rank curve" equivalence_packed
+  fsdp2cp2packed 4 --set distributed.cp_size=2 --set distributed.cp_comm_type=all_gather)
+quilt_trainer_test("packed rows under cp 4 (ring) follow the packed one-rank curve" equivalence_packed cp4packed 4
+  --set distributed.cp_size=4)
 quilt_trainer_test("packing: packed rows train with finite losses, fsdp 2 follows one rank, resume inside a document is bit for bit"
   packing)
 quilt_trainer_test("the same layout twice gives bit-identical losses" determinism)

@@ -18,6 +18,7 @@
 #include "collectives/launch.h"
 #include "engine/error.h"
 #include "engine/io/safetensors.h"
+#include "parallel/context_parallel.h"
 #include "parallel/pipeline/schedule.h"
 #include "tools/tokenizer.h"
 
@@ -616,6 +617,8 @@ const Table<PackedSequenceConfig>& packed_sequence_table() {
   static const Table<P> t{{
       field("packed_sequence_size", &P::packed_sequence_size, Int{0},
             "tokens per row packed from whole documents (must equal train.seq_len; micro_batch_size 1); 0: off"),
+      field("document_multiple", &P::document_multiple, Int{0},
+            "pad each packed document to a multiple of this (0: 2 * cp_size under cp, else 1)"),
   }};
   return t;
 }
@@ -691,6 +694,8 @@ const Table<DistributedConfig>& distributed_table() {
       field("tp_size", &D::tp_size, Int{1}, "tensor parallelism"),
       field("pp_size", &D::pp_size, Int{1}, "pipeline stages"),
       field("cp_size", &D::cp_size, Int{1}, "context parallelism"),
+      field("cp_comm_type", &D::cp_comm_type, Choice{{"ring", "all_gather", "a2a"}},
+            "cp attention: ring (K/V rotate), all_gather (K/V gathered once), a2a (heads exchanged)"),
       field("ep_size", &D::ep_size, Int{1}, "expert parallelism; divides dp * cp"),
       field("sequence_parallel", &D::sequence_parallel, Bool{}, "shard norms and dropout over tp"),
       field("activation_checkpointing", &D::activation_checkpointing, Bool{}, "recompute blocks in backward"),
@@ -983,6 +988,11 @@ std::vector<std::string> model_config_mismatches(const ModelConfig& recipe, cons
   return out;
 }
 
+int64_t packing_document_multiple(const RecipeConfig& cfg) {
+  if (cfg.packed_sequence.document_multiple > 0) return cfg.packed_sequence.document_multiple;
+  return cfg.distributed.cp_size > 1 ? 2 * cfg.distributed.cp_size : 1;
+}
+
 ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
   ParallelDims dims(cfg.distributed, world_size);
   const TrainConfig& t = cfg.train;
@@ -998,10 +1008,25 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
                 "(packed_sequence.packed_sequence_size ", n, "), got ", t.micro_batch_size);
     QUILT_CHECK(t.seq_len == n, "[config] train.seq_len ", t.seq_len, " differs from packed_sequence."
                 "packed_sequence_size ", n, ": packed rows are train.seq_len tokens; set both to ", n);
-    const int64_t multiple = dims.cp() > 1 ? 2 * dims.cp() : 1;
-    QUILT_CHECK(n % multiple == 0, "[config] packed_sequence.packed_sequence_size ", n,
-                " is not divisible by 2 * cp_size = ", multiple, " (cp_size=", dims.cp(),
+    const int64_t chunks = dims.cp() > 1 ? 2 * dims.cp() : 1;
+    QUILT_CHECK(n % chunks == 0, "[config] packed_sequence.packed_sequence_size ", n,
+                " is not divisible by 2 * cp_size = ", chunks, " (cp_size=", dims.cp(),
                 "; context parallelism splits each document into 2 * cp_size load-balanced chunks)");
+    const int64_t multiple = packing_document_multiple(cfg);
+    QUILT_CHECK(multiple % chunks == 0, "[config] packed_sequence.document_multiple ", multiple,
+                " is not a multiple of 2 * cp_size = ", chunks, " (cp_size=", dims.cp(),
+                "; context parallelism splits each document into 2 * cp_size load-balanced chunks)");
+    QUILT_CHECK(n % multiple == 0, "[config] packed_sequence.document_multiple ", multiple,
+                " does not divide packed_sequence.packed_sequence_size ", n);
+  }
+  // Context parallelism by all-to-all (Ulysses) trades the sequence cut for a head cut: each
+  // tensor-parallel rank's query and key/value heads must divide over cp.
+  if (dims.cp() > 1 && parse_cp_comm_type(cfg.distributed.cp_comm_type) == CpCommType::a2a) {
+    const int64_t hq = m.num_attention_heads / dims.tp(), hkv = m.kv_heads() / dims.tp();
+    QUILT_CHECK(hq % dims.cp() == 0 && hkv % dims.cp() == 0, "[config] distributed.cp_comm_type a2a cuts the heads "
+                "over cp_size ", dims.cp(), ": model.num_attention_heads ", m.num_attention_heads,
+                " and model.num_key_value_heads ", m.kv_heads(), " per tp rank (tp_size=", dims.tp(), ": ", hq,
+                " and ", hkv, ") must both be divisible by ", dims.cp(), " (or use cp_comm_type ring or all_gather)");
   }
   dims.check_seq_len(t.seq_len);
   const int64_t per_step = t.micro_batch_size * dims.dp();

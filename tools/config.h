@@ -100,6 +100,9 @@ struct DataConfig {
 /// token stream; positions restart and attention stays within each document.
 struct PackedSequenceConfig {
   int64_t packed_sequence_size = 0;  // tokens per packed row (must equal train.seq_len); 0: no packing
+  // Each document padded to a multiple of this; 0: 2 * cp_size under context parallelism, 1
+  // otherwise. Under cp it must be a multiple of 2 * cp_size (each document is cut in 2 * cp chunks).
+  int64_t document_multiple = 0;
 };
 
 /// How the learning rate falls after warm-up.
@@ -218,6 +221,10 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size);
 /// e.g. "model.hidden_size is 128 in the recipe but 64 in <model.pretrained>/config.json".
 /// Fields config.json lacks, and optional fields the recipe leaves none, are not compared.
 std::vector<std::string> model_config_mismatches(const ModelConfig& recipe, const std::string& hf_config_json_text);
+
+/// The multiple packing pads each document to: packed_sequence.document_multiple, or by default
+/// 2 * cp_size under context parallelism and 1 otherwise.
+int64_t packing_document_multiple(const RecipeConfig& cfg);
 
 /// Smallest world size the recipe can run on: dp_size (or 1) * tp_size * pp_size * cp_size.
 int64_t default_world_size(const RecipeConfig& cfg);

@@ -95,7 +95,8 @@ std::unique_ptr<DataLoader> make_loader(const RecipeConfig& cfg, const std::stri
                           .micro_batch_size = t.micro_batch_size, .dp_rank = dp_rank, .dp_size = dp_size,
                           .seed = uint64_t(t.seed), .shuffle = shuffle,
                           .packed_sequence_size = cfg.packed_sequence.packed_sequence_size,
-                          .document_token = make_tokenizer(cfg.data.tokenizer)->eot_token()});
+                          .document_token = make_tokenizer(cfg.data.tokenizer)->eot_token(),
+                          .document_multiple = packing_document_multiple(cfg)});
 }
 
 }  // namespace
@@ -239,7 +240,8 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   LlamaForCausalLM* m = r->model.get();
   r->step = std::make_unique<LocalTrainStep>(
       [m](const Tensor& tokens, const Tensor& positions, const Tensor& docs) { return (*m)(tokens, positions, docs); },
-      StepHooks{.dp = r->dp, .defer_fsdp_grad_sync = cfg.distributed.defer_fsdp_grad_sync, .loss_comm = loss_comm});
+      StepHooks{.dp = r->dp, .defer_fsdp_grad_sync = cfg.distributed.defer_fsdp_grad_sync, .loss_comm = loss_comm,
+                .cp_comm = r->dims.cp() > 1 ? r->meshes["cp"].comm_ptr(0) : nullptr});
   return r;
 }
 

@@ -3,6 +3,7 @@
 
 #include "dtensor/dtensor.h"
 #include "engine/engine.h"
+#include "parallel/context_parallel.h"
 
 namespace quilt {
 
@@ -17,9 +18,56 @@ Tensor default_positions(const Tensor& tokens) {
   return arange(0, double(t)).unsqueeze(0).expand({b, t}).contiguous();
 }
 
-Tensor LocalTrainStep::loss_of(const Batch& b) {
+Batch context_parallel_batch(const Batch& b, int cp, int rank) {
+  const int64_t rows = b.inputs.size(0), t = b.inputs.size(1);
   const Tensor positions = b.positions.defined() ? b.positions : default_positions(b.inputs);
-  return causal_lm_loss(forward_(b.inputs, positions, b.document_ids), b.targets);
+  std::vector<Batch> parts;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int64_t> idx;
+    if (b.document_ids.defined()) {
+      // Documents: the runs of equal ids along the row.
+      const Tensor d = contiguous(cast(b.document_ids.narrow(0, r, 1), DType::i64));
+      const int64_t* ids = d.data<int64_t>();
+      std::vector<int64_t> cu{0};
+      for (int64_t i = 1; i < t; ++i)
+        if (ids[i] != ids[i - 1]) cu.push_back(i);
+      cu.push_back(t);
+      idx = cp_document_token_indices(cu, cp, rank);
+    } else {
+      idx = cp_token_indices(t, cp, rank);
+    }
+    auto row = [&](const Tensor& x) {
+      return x.defined() ? cp_shard_sequence(x.narrow(0, r, 1), 1, idx) : Tensor();
+    };
+    parts.push_back({row(b.inputs), row(b.targets), row(positions), row(b.document_ids)});
+  }
+  if (rows == 1) return parts[0];
+  auto stack_rows = [&](Tensor Batch::*f) {
+    std::vector<Tensor> xs;
+    for (const Batch& p : parts) xs.push_back(p.*f);
+    return xs[0].defined() ? cat(xs, 0) : Tensor();
+  };
+  return {stack_rows(&Batch::inputs), stack_rows(&Batch::targets), stack_rows(&Batch::positions),
+          stack_rows(&Batch::document_ids)};
+}
+
+Tensor LocalTrainStep::loss_of(const Batch& b) {
+  const std::shared_ptr<Communicator>& cp = hooks_.cp_comm;
+  if (!cp || cp->size() == 1) {
+    const Tensor positions = b.positions.defined() ? b.positions : default_positions(b.inputs);
+    return causal_lm_loss(forward_(b.inputs, positions, b.document_ids), b.targets);
+  }
+  // This rank's share of every sequence. Its loss is cp · (its sum) / (the group's count), so
+  // that the mean over the cp ranks (of losses, and of gradients under FSDP) is the sequence's
+  // mean loss, however the ignored targets (packing's padding) fall between the ranks.
+  const Batch mine = context_parallel_batch(b, cp->size(), cp->rank());
+  Tensor count = sum(cast(ne(mine.targets, scalar_like(-100, mine.targets)), DType::f64));
+  cp->all_reduce(count, ReduceOp::sum);
+  Tensor logits = forward_(mine.inputs, mine.positions, mine.document_ids);
+  if (logits.dtype() != DType::f32 && logits.dtype() != DType::f64) logits = cast(logits, DType::f32);
+  const Tensor total = cross_entropy(logits.reshape({-1, logits.size(-1)}), mine.targets.reshape({-1}), -100,
+                                     Reduction::sum);
+  return total * (double(cp->size()) / count.item<double>());
 }
 
 double LocalTrainStep::global_mean(double local_sum, size_t count) {

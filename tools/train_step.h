@@ -27,6 +27,13 @@ Tensor causal_lm_loss(const Tensor& logits, const Tensor& targets);
 /// Positions 0..T-1 of every sequence of a (B, T) batch, as (B, T) i64.
 Tensor default_positions(const Tensor& tokens);
 
+/// Rank `rank` of `cp`'s share of a batch under context parallelism: every row's inputs,
+/// targets, positions (0..T-1 when undefined) and documents reordered to the load-balanced
+/// layout (parallel/context_parallel.h), per document when the row is packed (documents are the
+/// runs of equal document ids). Each row then holds T / cp tokens. Throws naming the document
+/// whose length 2·cp does not divide.
+Batch context_parallel_batch(const Batch& b, int cp, int rank);
+
 class TrainStep {
  public:
   virtual ~TrainStep() = default;
@@ -42,6 +49,9 @@ struct StepHooks {
   DataParallelism dp;                       // FSDP or DDP, if the plan applied one
   bool defer_fsdp_grad_sync = true;         // FSDP: reduce once, at the last micro-batch
   std::shared_ptr<Communicator> loss_comm;  // ranks whose losses are averaged (dp x cp); null: none
+  // Context parallelism: the ranks that share each sequence, each of which trains on its
+  // context_parallel_batch and weighs its loss sum by the targets the group counts; null: none.
+  std::shared_ptr<Communicator> cp_comm;
 };
 
 /// A model's forward: tokens (B, T), positions (B, T) and documents ((B, T), or undefined) ->

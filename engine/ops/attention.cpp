@@ -94,6 +94,30 @@ std::pair<Tensor, Tensor> documents(const AttentionOptions& o, const Dims& n) {
   return {qd, qd};
 }
 
+// (B, n) positions as i32 from (n) or (B, n), checked.
+Tensor position_ids(const Tensor& p, const char* what, int64_t b, int64_t n, const char* dims) {
+  QUILT_CHECK(p.dtype() == DType::i32 || p.dtype() == DType::i64, "[scaled_dot_product_attention] ", what,
+              " must be i32 or i64, got ", dtype_name(p.dtype()));
+  QUILT_CHECK((p.dim() == 1 && p.size(0) == n) || (p.dim() == 2 && p.size(0) == b && p.size(1) == n),
+              "[scaled_dot_product_attention] ", what, " must be ", dims, " = (", n, ") or ", Shape{b, n}, ", got ",
+              p.shape());
+  const Tensor p2 = p.dim() == 1 ? expand(reshape(p, {1, n}), {b, n}) : p;
+  return p2.dtype() == DType::i32 ? p2 : cast(p2, DType::i32);
+}
+
+// The queries' and keys' positions (B, T) and (B, S) as i32, or two undefined tensors.
+std::pair<Tensor, Tensor> positions(const AttentionOptions& o, const Dims& n) {
+  QUILT_CHECK(!o.key_positions.defined() || o.positions.defined(),
+              "[scaled_dot_product_attention] key_positions need the queries' positions");
+  if (!o.positions.defined()) return {};
+  QUILT_CHECK(o.causal, "[scaled_dot_product_attention] positions mask causally: give them with causal = true");
+  const Tensor qp = position_ids(o.positions, "positions", n.b, n.t, "(T) or (B, T)");
+  if (o.key_positions.defined()) return {qp, position_ids(o.key_positions, "key_positions", n.b, n.s, "(S) or (B, S)")};
+  QUILT_CHECK(n.s == n.t, "[scaled_dot_product_attention] keys (S = ", n.s, ") and queries (T = ", n.t,
+              ") differ in length: give key_positions (S) or (B, S)");
+  return {qp, qp};
+}
+
 // (T, S) bool: query i may see key j iff j <= i + offset.
 Tensor causal_mask(int64_t t, int64_t s, int64_t offset, Device device) {
   const Tensor i = reshape(arange(0, double(t), 1, {.dtype = DType::i64, .device = device}), {t, 1});
@@ -105,24 +129,29 @@ Tensor causal_mask(int64_t t, int64_t s, int64_t offset, Device device) {
 // causal mask and the documents, then softmax and the product with v. Returns the output and,
 // when asked, the log-sum-exp (B, Hq, T) in stat_dtype.
 AttentionOutput composite(const Tensor& q, const Tensor& k, const Tensor& v, const Dims& n, Tensor allowed,
-                          bool causal, int64_t offset, double sc, const std::pair<Tensor, Tensor>& docs, bool want_lse) {
+                          bool causal, int64_t offset, double sc, const std::pair<Tensor, Tensor>& docs,
+                          const std::pair<Tensor, Tensor>& pos, bool want_lse) {
   const Device dev = q.device();
   const int64_t g = n.hq / n.hkv;
   const Shape full{n.b, n.hq, n.t, n.s};
   auto both = [&](const Tensor& m) { return allowed.defined() ? logical_and(allowed, m) : m; };
   const bool user_mask = allowed.defined();
-  if (causal) allowed = both(causal_mask(n.t, n.s, offset, dev));
+  if (causal && pos.first.defined())  // (B, 1, T, S): key_positions[j] <= positions[i]
+    allowed = both(unsqueeze(le(unsqueeze(pos.second, 1), unsqueeze(pos.first, 2)), 1));
+  else if (causal)
+    allowed = both(causal_mask(n.t, n.s, offset, dev));
   if (docs.first.defined()) allowed = both(unsqueeze(eq(unsqueeze(docs.first, 2), unsqueeze(docs.second, 1)), 1));
 
   // Grouped heads: q as (B, Hkv, G, T, D) against k as (B, Hkv, 1, D, S); matmul broadcasts
   // the kv head over its G query heads, so k and v are never copied per query head.
   const Tensor qg = reshape(sc == 1.0 ? q : q * sc, {n.b, n.hkv, g, n.t, n.d});
   Tensor scores = reshape(matmul(qg, unsqueeze(transpose(k, -1, -2), 2)), full);
-  // Rows can be empty with a user mask, documents or a causal offset below 0 (S < T when aligned at the end).
+  // Rows can be empty with a user mask, documents, positions or a causal offset below 0 (S < T when
+  // aligned at the end).
   Tensor any;
   if (allowed.defined()) {
     scores = where(allowed, scores, scalar_like(-kInf, scores));
-    if (user_mask || docs.first.defined() || offset < 0) {
+    if (user_mask || docs.first.defined() || pos.first.defined() || offset < 0) {
       const Tensor seen = sum(cast(allowed, DType::i32), {-1}, true);  // keys each query may see
       any = expand(gt(seen, scalar_like(0, seen)), {n.b, n.hq, n.t, 1});
       // A row that sees no key would be softmax(-inf, ...) = NaN: give it finite scores, then zero
@@ -146,22 +175,29 @@ AttentionOutput composite(const Tensor& q, const Tensor& k, const Tensor& v, con
   return r;
 }
 
-kernels::cpu::AttentionArgs kernel_args(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                                        int64_t offset, double scale, const Tensor& qdoc, const Tensor& kdoc) {
-  return {.batch = q.size(0), .q_heads = q.size(1), .kv_heads = k.size(1), .t = q.size(2), .s = k.size(2),
-          .d = q.size(3), .dv = v.size(3), .scale = scale, .causal = causal, .causal_offset = offset,
-          .q_doc = qdoc.defined() ? qdoc.data<int32_t>() : nullptr,
-          .k_doc = kdoc.defined() ? kdoc.data<int32_t>() : nullptr};
-}
-
 // Attributes shared by the forward and backward primitives (what the sharding rules read).
 struct Config {
   bool causal;
   double scale;
   int64_t offset;
   bool docs;
-  Attrs attrs() const { return {{"causal", causal}, {"scale", scale}, {"causal_offset", offset}, {"documents", docs}}; }
+  bool pos;
+  Attrs attrs() const {
+    return {{"causal", causal}, {"scale", scale}, {"causal_offset", offset}, {"documents", docs}, {"positions", pos}};
+  }
 };
+
+// The kernel's arguments; `extra` are the inputs after q, k, v: [q_doc, k_doc], [q_pos, k_pos].
+kernels::cpu::AttentionArgs kernel_args(const Tensor& q, const Tensor& k, const Tensor& v, const Config& cfg,
+                                        const Tensor* extra) {
+  const Tensor* pos = cfg.docs ? extra + 2 : extra;
+  return {.batch = q.size(0), .q_heads = q.size(1), .kv_heads = k.size(1), .t = q.size(2), .s = k.size(2),
+          .d = q.size(3), .dv = v.size(3), .scale = cfg.scale, .causal = cfg.causal, .causal_offset = cfg.offset,
+          .q_doc = cfg.docs ? extra[0].data<int32_t>() : nullptr,
+          .k_doc = cfg.docs ? extra[1].data<int32_t>() : nullptr,
+          .q_pos = cfg.pos ? pos[0].data<int32_t>() : nullptr,
+          .k_pos = cfg.pos ? pos[1].data<int32_t>() : nullptr};
+}
 
 // The inputs as contiguous tensors, as the kernels take them.
 std::vector<Tensor> contiguous_all(const std::vector<Tensor>& in) {
@@ -170,7 +206,7 @@ std::vector<Tensor> contiguous_all(const std::vector<Tensor>& in) {
   return out;
 }
 
-// (dO, dlse, q, k, v, out, lse, [q_doc, k_doc]) -> (dq, dk, dv). Not differentiable itself.
+// (dO, dlse, q, k, v, out, lse, [q_doc, k_doc], [q_pos, k_pos]) -> (dq, dk, dv). Not differentiable itself.
 class SdpaBackward final : public Primitive {
  public:
   explicit SdpaBackward(Config cfg) : cfg_(cfg) {}
@@ -179,11 +215,10 @@ class SdpaBackward final : public Primitive {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const std::vector<Tensor> x = contiguous_all(in);
     const Tensor &q = x[2], &k = x[3], &v = x[4];
-    const Tensor qd = cfg_.docs ? x[7] : Tensor(), kd = cfg_.docs ? x[8] : Tensor();
     Tensor dq = Tensor::empty(q.shape(), {.dtype = q.dtype()});
     Tensor dk = Tensor::empty(k.shape(), {.dtype = k.dtype()});
     Tensor dv = Tensor::empty(v.shape(), {.dtype = v.dtype()});
-    kernels::cpu::attention_backward(q.dtype(), kernel_args(q, k, v, cfg_.causal, cfg_.offset, cfg_.scale, qd, kd),
+    kernels::cpu::attention_backward(q.dtype(), kernel_args(q, k, v, cfg_, x.data() + 7),
                                      dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), x[0].data_ptr(), x[1].data_ptr(),
                                      q.data_ptr(), k.data_ptr(), v.data_ptr(), x[5].data_ptr(), x[6].data_ptr());
     return {dq, dk, dv};
@@ -193,7 +228,7 @@ class SdpaBackward final : public Primitive {
   Config cfg_;
 };
 
-// (q, k, v, [q_doc, k_doc]) -> (out, lse); lse carries a gradient too (merging partial
+// (q, k, v, [q_doc, k_doc], [q_pos, k_pos]) -> (out, lse); lse carries a gradient too (merging partial
 // attention outputs by their lse differentiates through it).
 class Sdpa final : public Primitive {
  public:
@@ -203,10 +238,9 @@ class Sdpa final : public Primitive {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const std::vector<Tensor> x = contiguous_all(in);
     const Tensor &q = x[0], &k = x[1], &v = x[2];
-    const Tensor qd = cfg_.docs ? x[3] : Tensor(), kd = cfg_.docs ? x[4] : Tensor();
     Tensor out = Tensor::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, {.dtype = q.dtype()});
     Tensor lse = Tensor::empty({q.size(0), q.size(1), q.size(2)}, {.dtype = stat_dtype(q.dtype())});
-    kernels::cpu::attention_forward(q.dtype(), kernel_args(q, k, v, cfg_.causal, cfg_.offset, cfg_.scale, qd, kd),
+    kernels::cpu::attention_forward(q.dtype(), kernel_args(q, k, v, cfg_, x.data() + 3),
                                     out.data_ptr(), lse.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr());
     return {out, lse};
   }
@@ -223,7 +257,7 @@ class Sdpa final : public Primitive {
                            saved_[0], saved_[1], saved_[2], saved_[n_in], saved_[n_in + 1]};
     for (size_t i = 3; i < n_in; ++i) in.push_back(saved_[i]);
     std::vector<Tensor> grads = quilt::apply(std::make_shared<SdpaBackward>(cfg_), in);
-    grads.resize(n_in);  // no gradient for document ids
+    grads.resize(n_in);  // no gradient for document ids or positions
     return grads;
   }
 
@@ -240,14 +274,16 @@ AttentionOutput attend(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        bool want_lse) {
   const Dims n = check_qkv(q, k, v);
   const std::pair<Tensor, Tensor> docs = documents(options, n);
-  (void)common_device("scaled_dot_product_attention", {q, k, v, docs.first, docs.second});
+  const std::pair<Tensor, Tensor> pos = positions(options, n);
+  (void)common_device("scaled_dot_product_attention", {q, k, v, docs.first, docs.second, pos.first, pos.second});
   const int64_t offset = options.causal_offset.value_or(n.s - n.t);
   const double sc = default_scale(options.scale, n.d);
   if (options.composite || !q.device().is_cpu())
-    return composite(q, k, v, n, Tensor(), options.causal, offset, sc, docs, want_lse);
-  const Config cfg{options.causal, sc, offset, docs.first.defined()};
+    return composite(q, k, v, n, Tensor(), options.causal, offset, sc, docs, pos, want_lse);
+  const Config cfg{options.causal, sc, offset, docs.first.defined(), pos.first.defined()};
   std::vector<Tensor> in{q, k, v};
   if (cfg.docs) in.insert(in.end(), {docs.first, docs.second});
+  if (cfg.pos) in.insert(in.end(), {pos.first, pos.second});
   std::vector<Tensor> out = quilt::apply(std::make_shared<Sdpa>(cfg), in);
   return {out[0], out[1]};
 }
@@ -269,7 +305,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   QUILT_CHECK(ops::broadcasts_to(mask.shape(), full), "[scaled_dot_product_attention] mask of shape ", mask.shape(),
               " does not broadcast to (B, Hq, T, S) = ", full);
   (void)common_device("scaled_dot_product_attention", {q, k, v, mask});
-  return composite(q, k, v, n, mask, causal, n.s - n.t, default_scale(scale, n.d), {}, false).out;
+  return composite(q, k, v, n, mask, causal, n.s - n.t, default_scale(scale, n.d), {}, {}, false).out;
 }
 
 }  // namespace quilt

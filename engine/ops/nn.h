@@ -69,6 +69,11 @@ struct AttentionOptions {
   Tensor key_document_ids{};  // (B, S) the keys' documents, when S != T (a KV cache, a ring step)
   Tensor cu_seqlens{};        // (N + 1) i32/i64, instead of document_ids: document r is tokens
                               // [cu[r], cu[r + 1]) of every batch row, 0 = cu[0] <= ... <= cu[N] = T
+  // Causal by position instead of by index (needs causal; causal_offset is then unused): query
+  // i sees key j iff key_positions[j] <= positions[i]. Context-parallel chunks and ring steps
+  // hold tokens out of order; the kernel still skips the tiles these positions hide.
+  Tensor positions{};      // (T) or (B, T) i32/i64: the queries' positions
+  Tensor key_positions{};  // (S) or (B, S) the keys' positions, when S != T (default: positions)
   bool composite = false;     // run the composite of matmul/softmax/where (what CUDA tensors run)
 };
 /// An attention output with each query's log-sum-exp, so partial attentions over disjoint key

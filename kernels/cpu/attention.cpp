@@ -110,6 +110,17 @@ class Attention {
     });
   }
 
+  int64_t pairs() const {
+    int64_t n = 0;
+    for (int64_t b = 0; b < a_.batch; ++b)
+      for (int64_t q0 = 0; q0 < a_.t; q0 += kQBlock)
+        for (int64_t k0 = 0; k0 < a_.s; k0 += kKBlock) {
+          const int64_t nq = std::min(kQBlock, a_.t - q0), nk = std::min(kKBlock, a_.s - k0);
+          if (cover(b, q0, nq, k0, nk) != Cover::none) n += nq * nk;
+        }
+    return n * a_.q_heads;
+  }
+
   void backward(T* dq, T* dk, T* dv, const T* dout, const C* dlse, const T* q, const T* k, const T* v, const T* out,
                 const C* lse) const {
     const int64_t rows = a_.batch * a_.q_heads * a_.t, bkv = a_.batch * a_.kv_heads;
@@ -159,8 +170,18 @@ class Attention {
 
   // What the mask lets through of queries [q0, q0 + nq) against keys [k0, k0 + nk) of batch b.
   Cover cover(int64_t b, int64_t q0, int64_t nq, int64_t k0, int64_t nk) const {
-    if (a_.causal && k0 > q0 + nq - 1 + a_.causal_offset) return Cover::none;
-    bool full = !a_.causal || k0 + nk - 1 <= q0 + a_.causal_offset;
+    bool full = true;
+    if (a_.causal && a_.q_pos) {  // nothing seen when every key comes after every query
+      const int32_t* qp = a_.q_pos + b * a_.t + q0;
+      const int32_t* kp = a_.k_pos + b * a_.s + k0;
+      const auto [qlo, qhi] = std::minmax_element(qp, qp + nq);
+      const auto [klo, khi] = std::minmax_element(kp, kp + nk);
+      if (*klo > *qhi) return Cover::none;
+      full = *khi <= *qlo;
+    } else if (a_.causal) {
+      if (k0 > q0 + nq - 1 + a_.causal_offset) return Cover::none;
+      full = k0 + nk - 1 <= q0 + a_.causal_offset;
+    }
     if (a_.q_doc) {
       const int32_t* qd = a_.q_doc + b * a_.t + q0;
       const int32_t* kd = a_.k_doc + b * a_.s + k0;
@@ -181,10 +202,19 @@ class Attention {
     if (cv == Cover::part) {
       const int32_t* qd = a_.q_doc ? a_.q_doc + b * a_.t + q0 : nullptr;
       const int32_t* kd = a_.k_doc ? a_.k_doc + b * a_.s + k0 : nullptr;
+      const bool by_pos = a_.causal && a_.q_pos;
+      const int32_t* qp = by_pos ? a_.q_pos + b * a_.t + q0 : nullptr;
+      const int32_t* kp = by_pos ? a_.k_pos + b * a_.s + k0 : nullptr;
       for (int64_t i = 0; i < nq; ++i) {
         C* row = sc.s.data() + i * nk;
-        const int64_t seen = a_.causal ? std::clamp<int64_t>(q0 + i + a_.causal_offset - k0 + 1, 0, nk) : nk;
-        std::fill(row + seen, row + nk, kNegInf);
+        int64_t seen = nk;  // keys [seen, nk) are hidden by the causal rule by index
+        if (by_pos) {
+          for (int64_t j = 0; j < nk; ++j)
+            if (kp[j] > qp[i]) row[j] = kNegInf;
+        } else if (a_.causal) {
+          seen = std::clamp<int64_t>(q0 + i + a_.causal_offset - k0 + 1, 0, nk);
+          std::fill(row + seen, row + nk, kNegInf);
+        }
         if (qd)
           for (int64_t j = 0; j < seen; ++j)
             if (qd[i] != kd[j]) row[j] = kNegInf;
@@ -324,6 +354,8 @@ void attention_forward(DType dt, const AttentionArgs& a, void* out, void* lse, c
                                    static_cast<const scalar_t*>(v));
   });
 }
+
+int64_t attention_forward_pairs(const AttentionArgs& a) { return Attention<float>(a).pairs(); }
 
 void attention_backward(DType dt, const AttentionArgs& a, void* dq, void* dk, void* dv, const void* dout,
                         const void* dlse, const void* q, const void* k, const void* v, const void* out,

@@ -1,6 +1,7 @@
 // Fused CPU attention (flash style): out = softmax(scale · Q Kᵀ, masked) V and its backward,
 // computed over tiles of queries and keys with an online softmax, so no (T, S) matrix is ever
-// formed; tiles a causal or document mask hides entirely are skipped, not computed. The
+// formed; tiles a causal, position or document mask hides entirely are skipped, not computed
+// (a tile's position or document range, its min and max, tells). The
 // backward recomputes each tile's probabilities from Q, K and the forward's log-sum-exp.
 // bf16/f16 tiles are widened to f32 and results rounded once; f64 computes in f64.
 //
@@ -26,12 +27,19 @@ struct AttentionArgs {
   int64_t causal_offset = 0;       // causal: query i sees key j iff j <= i + causal_offset
   const int32_t* q_doc = nullptr;  // (B, T) document of each query; null: no document mask
   const int32_t* k_doc = nullptr;  // (B, S) document of each key (given with q_doc)
+  // Causal by position instead of by index (context-parallel chunks, a ring step's keys): with
+  // causal, query i sees key j iff k_pos[j] <= q_pos[i]; causal_offset is then unused.
+  const int32_t* q_pos = nullptr;  // (B, T) position of each query; null: causal by index
+  const int32_t* k_pos = nullptr;  // (B, S) position of each key (given with q_pos)
 };
 
 /// out and lse = log(sum_j exp(scale · q_i·k_j)) over the keys query i may see; a query that
 /// sees no key gets out = 0 and lse = -inf.
 void attention_forward(DType dt, const AttentionArgs& a, void* out, void* lse, const void* q, const void* k,
                        const void* v);
+/// The (query, key) pairs, over every batch row and query head, of the tiles attention_forward
+/// computes (those the mask does not hide entirely): the work it does, for load-balance counts.
+int64_t attention_forward_pairs(const AttentionArgs& a);
 /// dq, dk, dv of attention_forward given dout, dlse (the gradient of lse; null: zero) and the
 /// forward's out and lse. dk and dv sum over the query heads of their group.
 void attention_backward(DType dt, const AttentionArgs& a, void* dq, void* dk, void* dv, const void* dout,

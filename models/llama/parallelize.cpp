@@ -3,6 +3,7 @@
 
 #include "dtensor/dtensor.h"
 #include "engine/engine.h"
+#include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/fully_shard.h"
 #include "parallel/mixed_precision.h"
@@ -125,6 +126,16 @@ void apply_local_tp(LlamaForCausalLM& model, const DeviceMesh& tp, bool experts)
 
 }  // namespace
 
+void apply_cp(LlamaForCausalLM& model, const DeviceMesh& cp, CpCommType type) {
+  const std::shared_ptr<Communicator> comm = cp.comm_ptr(0);
+  for (auto& [name, m] : model.named_modules())
+    if (auto* a = dynamic_cast<LlamaAttention*>(m))
+      a->attention = [comm, type](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
+                                  const Tensor& document_ids) {
+        return context_parallel_attention(q, k, v, positions, document_ids, comm, type);
+      };
+}
+
 const std::vector<std::string>& llama_fp32_modules() {
   static const std::vector<std::string> names = {"input_layernorm", "post_attention_layernorm", "model.norm"};
   return names;
@@ -180,7 +191,9 @@ DataParallelism parallelize_llama(LlamaForCausalLM& model, const Meshes& meshes,
                                                                   meshes["dp_cp"], {Replicate()}));
   }
 
-  // apply_cp: not yet (context parallelism over meshes["cp"] lands with its issue).
+  // 2. CP: every attention meets the keys of the whole sequence over the cp axis (the batch
+  //    layout, each rank's load-balanced chunks, is the train step's).
+  if (meshes.size("cp") > 1) apply_cp(model, meshes["cp"], parse_cp_comm_type(dc.cp_comm_type));
 
   if (dc.activation_checkpointing && !model.model->layers->empty()) {
     apply_ac(model, {.mode = parse_ac_mode(dc.activation_checkpointing_mode), .modules = {"model.layers.*"}});

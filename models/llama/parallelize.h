@@ -15,6 +15,7 @@
 
 #include "models/llama/llama.h"
 #include "parallel/activation_checkpoint.h"
+#include "parallel/context_parallel.h"
 #include "parallel/data_parallel.h"
 #include "parallel/parallel_dims.h"
 #include "parallel/tensor_parallel.h"
@@ -34,6 +35,12 @@ TensorParallelPlan llama_tp_plan(bool sequence_parallel, bool loss_parallel);
 /// not hold are dropped, and tied embeddings compute the logits from the vocab-parallel
 /// embedding (gathered at the root unless `loss_parallel`).
 TensorParallelPlan llama_tp_plan_for(const LlamaForCausalLM& model, bool sequence_parallel, bool loss_parallel);
+
+/// Context parallelism: every attention of `model` attends over the sequence its tokens share
+/// with the ranks of the 1-D mesh `cp` (context_parallel_attention, exchanging K/V by `type`).
+/// The tokens each rank feeds the model are then its load-balanced chunks with their global
+/// positions (context_parallel_batch in tools/train_step.h).
+void apply_cp(LlamaForCausalLM& model, const DeviceMesh& cp, CpCommType type);
 
 /// Dotted-name suffixes of the modules that stay in f32 under mixed precision (their own FSDP
 /// units with f32 parameters and reductions): the norms.

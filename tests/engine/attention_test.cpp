@@ -1,6 +1,6 @@
 // scaled_dot_product_attention's fused primitive: output and log-sum-exp against a float64
 // reference (causal, S != T, explicit offsets, GQA, documents, ragged tiles, T = 1, queries
-// that see nothing), gradients by finite differences, bf16 rounding, the composite it replaced,
+// that see nothing, causal by position), gradients by finite differences, bf16 rounding, the composite it replaced,
 // the memory its backward keeps, its errors, and head/batch sharded distributed tensors.
 #include <doctest/doctest.h>
 
@@ -11,6 +11,7 @@
 #include <limits>
 #include <tuple>
 
+#include "kernels/cpu/attention.h"
 #include "tests/dtensor/util.h"
 #include "tests/engine/op_harness.h"
 
@@ -129,6 +130,86 @@ TEST_CASE("attention: document ids keep queries within their document, causal wi
                  return R{attention_ref(r[0], r[1], r[2], scale_for(r[0]), document_sees(r[3], r[4], true, 70))[0]};
                },
                .lowp_tol = 4e-2});
+}
+
+TEST_CASE("attention: causal by position: random positions with ties, key positions, (T) positions, documents") {
+  // Positions drawn with ties and gaps, so some queries see no key at all.
+  auto pos_at = [](const Ref& p, int64_t b, int64_t i) { return p.dim() == 1 ? p.at({i}) : p.at({b, i}); };
+  run_op_case({.name = "attention positions",
+               .inputs = {{{2, 2, 70, 2}}, {{2, 1, 70, 2}}, {{2, 1, 70, 3}}, {{2, 70}, Gen::index, false, 90, DType::i32}},
+               .op = [](const V& x) { return attend(x, {.causal = true, .positions = x[3]}); },
+               .ref = [&](const R& r) {
+                 return attention_ref(r[0], r[1], r[2], scale_for(r[0]), [&](int64_t b, int64_t i, int64_t j) {
+                   return pos_at(r[3], b, j) <= pos_at(r[3], b, i);
+                 });
+               },
+               .lowp_tol = 4e-2});
+  run_op_case({.name = "attention (T) positions",
+               .inputs = {{{2, 2, 66, 2}}, {{2, 2, 66, 2}}, {{2, 2, 66, 2}}, {{66}, Gen::index, false, 66, DType::i64}},
+               .op = [](const V& x) { return attend(x, {.causal = true, .positions = x[3]}, false); },
+               .ref = [&](const R& r) {
+                 return R{attention_ref(r[0], r[1], r[2], scale_for(r[0]), [&](int64_t b, int64_t i, int64_t j) {
+                   return pos_at(r[3], b, j) <= pos_at(r[3], b, i);
+                 })[0]};
+               },
+               .lowp_tol = 4e-2});
+  // A ring step: keys with positions of their own (S != T).
+  run_op_case({.name = "attention key positions",
+               .inputs = {{{1, 2, 9, 2}}, {{1, 2, 75, 2}}, {{1, 2, 75, 2}}, {{1, 9}, Gen::index, false, 80, DType::i64},
+                          {{75}, Gen::index, false, 80, DType::i32}},
+               .op = [](const V& x) { return attend(x, {.causal = true, .positions = x[3], .key_positions = x[4]}); },
+               .ref = [&](const R& r) {
+                 return attention_ref(r[0], r[1], r[2], scale_for(r[0]), [&](int64_t b, int64_t i, int64_t j) {
+                   return pos_at(r[4], b, j) <= pos_at(r[3], b, i);
+                 });
+               },
+               .lowp_tol = 4e-2});
+  // Packed rows: positions and documents together, both must allow a pair.
+  run_op_case({.name = "attention positions and documents",
+               .inputs = {{{2, 2, 70, 2}}, {{2, 1, 70, 2}}, {{2, 1, 70, 2}}, {{2, 70}, Gen::index, false, 3, DType::i32},
+                          {{2, 70}, Gen::index, false, 70, DType::i32}},
+               .op = [](const V& x) { return attend(x, {.causal = true, .document_ids = x[3], .positions = x[4]}); },
+               .ref = [&](const R& r) {
+                 return attention_ref(r[0], r[1], r[2], scale_for(r[0]), [&](int64_t b, int64_t i, int64_t j) {
+                   return r[3].at({b, i}) == r[3].at({b, j}) && pos_at(r[4], b, j) <= pos_at(r[4], b, i);
+                 });
+               },
+               .lowp_tol = 4e-2});
+}
+
+TEST_CASE("attention: a load-balanced token order with its positions gives the reordered causal result, same tiles") {
+  // The context-parallel layout of 512 tokens over 2 ranks, both ranks' tokens in one call:
+  // chunks of 128 in the order 0, 3, 1, 2.
+  const int64_t t = 512, c = 128;
+  std::vector<double> perm;
+  for (int64_t chunk : {0, 3, 1, 2})
+    for (int64_t i = 0; i < c; ++i) perm.push_back(double(chunk * c + i));
+  const Tensor idx = from_vector(perm, {t}, {.dtype = DType::i64});
+  const Tensor q0 = randn({1, 2, t, 8}, RngKey(11, "q"), {.dtype = DType::f64});
+  const Tensor k0 = randn({1, 1, t, 8}, RngKey(11, "k"), {.dtype = DType::f64});
+  const Tensor v0 = randn({1, 1, t, 8}, RngKey(11, "v"), {.dtype = DType::f64});
+  const Tensor w = randn({1, 2, t, 8}, RngKey(11, "w"), {.dtype = DType::f64});
+  Tensor q = q0.clone().set_requires_grad(), k = k0.clone().set_requires_grad(), v = v0.clone().set_requires_grad();
+  const AttentionOutput plain = scaled_dot_product_attention(q, k, v, {.causal = true});
+  sum(plain.out * w).backward();
+  Tensor qp = index_select(q0, 2, idx).set_requires_grad(), kp = index_select(k0, 2, idx).set_requires_grad(),
+         vp = index_select(v0, 2, idx).set_requires_grad();
+  const AttentionOutput moved = scaled_dot_product_attention(qp, kp, vp, {.causal = true, .positions = idx});
+  sum(moved.out * index_select(w, 2, idx)).backward();
+  CHECK(max_abs_diff(moved.out, index_select(plain.out, 2, idx)) < 1e-12);
+  CHECK(max_abs_diff(moved.lse, index_select(plain.lse, 2, idx)) < 1e-12);
+  CHECK(max_abs_diff(qp.grad(), index_select(q.grad(), 2, idx)) < 1e-12);
+  CHECK(max_abs_diff(kp.grad(), index_select(k.grad(), 2, idx)) < 1e-12);
+  CHECK(max_abs_diff(vp.grad(), index_select(v.grad(), 2, idx)) < 1e-12);
+  // Chunks are whole tiles, so the kernel computes as many tiles as for the plain causal order:
+  // 36 of the 8 x 8, per head.
+  std::vector<int32_t> pos32(perm.begin(), perm.end());
+  const kernels::cpu::AttentionArgs a{.batch = 1, .q_heads = 2, .kv_heads = 1, .t = t, .s = t, .d = 8, .dv = 8,
+                                      .causal = true, .q_pos = pos32.data(), .k_pos = pos32.data()};
+  kernels::cpu::AttentionArgs by_index = a;
+  by_index.q_pos = by_index.k_pos = nullptr;
+  CHECK(kernels::cpu::attention_forward_pairs(a) == 2 * 36 * 64 * 64);
+  CHECK(kernels::cpu::attention_forward_pairs(by_index) == 2 * 36 * 64 * 64);
 }
 
 TEST_CASE("attention: cu_seqlens give the same result as the document ids they describe") {
@@ -263,6 +344,17 @@ TEST_CASE("attention: errors name the shapes") {
                        doctest::Contains("cu_seqlens must not decrease, got 3 before 2"), Error);
   CHECK_THROWS_WITH_AS(sdpa(q, k, v, {.document_ids = zeros({1, 5}, {.dtype = DType::i32}), .cu_seqlens = cu}),
                        doctest::Contains("give document_ids or cu_seqlens, not both"), Error);
+  const Tensor pos = arange(0, 5, 1, {.dtype = DType::i32});
+  CHECK_THROWS_WITH_AS(sdpa(q, k, v, {.positions = pos}),
+                       doctest::Contains("positions mask causally: give them with causal = true"), Error);
+  CHECK_THROWS_WITH_AS(sdpa(q, k, v, {.causal = true, .positions = zeros({2, 5}, {.dtype = DType::i32})}),
+                       doctest::Contains("positions must be (T) or (B, T) = (5) or (1, 5), got (2, 5)"), Error);
+  CHECK_THROWS_WITH_AS(sdpa(q, k, v, {.causal = true, .positions = zeros({5})}),
+                       doctest::Contains("positions must be i32 or i64, got f32"), Error);
+  CHECK_THROWS_WITH_AS(sdpa(q, k, v, {.causal = true, .key_positions = pos}),
+                       doctest::Contains("key_positions need the queries' positions"), Error);
+  CHECK_THROWS_WITH_AS(sdpa(q, zeros({1, 2, 6, 4}), zeros({1, 2, 6, 4}), {.causal = true, .positions = pos}),
+                       doctest::Contains("give key_positions (S) or (B, S)"), Error);
 }
 
 TEST_CASE("attention: heads or batch sharded stay sharded, and agree with one process") {

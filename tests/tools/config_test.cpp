@@ -437,4 +437,42 @@ TEST_CASE("config: packing needs one row per micro-batch, rows of train.seq_len 
                        doctest::Contains("packed_sequence.packed_sequence_size must be >= 0, got -1"), Error);
   CHECK_THROWS_WITH_AS(parse(kMinimal, {"packed_sequence.size=64"}),
                        doctest::Contains("unknown key 'packed_sequence.size'"), Error);
+  // The document multiple: 2 * cp_size by default under cp, 1 without; a set one must fit cp.
+  CHECK(packing_document_multiple(with({})) == 1);
+  CHECK(packing_document_multiple(with({"distributed.cp_size=2"})) == 4);
+  CHECK(packing_document_multiple(with({"packed_sequence.document_multiple=8"})) == 8);
+  CHECK(check_recipe(with({"distributed.cp_size=2", "packed_sequence.document_multiple=8"}), 2).cp() == 2);
+  CHECK_THROWS_WITH_AS(check_recipe(with({"distributed.cp_size=2", "packed_sequence.document_multiple=6"}), 2),
+                       "[config] packed_sequence.document_multiple 6 is not a multiple of 2 * cp_size = 4 (cp_size=2; "
+                       "context parallelism splits each document into 2 * cp_size load-balanced chunks)",
+                       Error);
+  CHECK_THROWS_WITH_AS(check_recipe(with({"packed_sequence.document_multiple=48"}), 1),
+                       "[config] packed_sequence.document_multiple 48 does not divide packed_sequence.packed_sequence_size 64",
+                       Error);
+}
+
+TEST_CASE("config: distributed.cp_comm_type takes ring or all_gather or a2a; a2a needs heads cp can cut") {
+  CHECK(parse(kMinimal).distributed.cp_comm_type == "ring");
+  CHECK(parse(kMinimal, {"distributed.cp_comm_type=a2a"}).distributed.cp_comm_type == "a2a");
+  CHECK_THROWS_WITH_AS(parse(kMinimal, {"distributed.cp_comm_type=ulysses"}),
+                       doctest::Contains("distributed.cp_comm_type"), Error);
+  const std::vector<std::string> heads = {"model.num_attention_heads=8", "model.num_key_value_heads=2",
+                                          "model.hidden_size=64", "distributed.cp_comm_type=a2a"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> all = heads;
+    all.insert(all.end(), more.begin(), more.end());
+    return parse(kMinimal, all);
+  };
+  CHECK(check_recipe(with({"distributed.cp_size=2"}), 2).cp() == 2);
+  CHECK_THROWS_WITH_AS(check_recipe(with({"distributed.cp_size=4"}), 4),
+                       "[config] distributed.cp_comm_type a2a cuts the heads over cp_size 4: model.num_attention_heads 8 "
+                       "and model.num_key_value_heads 2 per tp rank (tp_size=1: 8 and 2) must both be divisible by 4 "
+                       "(or use cp_comm_type ring or all_gather)",
+                       Error);
+  CHECK_THROWS_WITH_AS(check_recipe(with({"distributed.cp_size=2", "distributed.tp_size=2"}), 4),
+                       doctest::Contains("per tp rank (tp_size=2: 4 and 1) must both be divisible by 2"), Error);
+  // ring and all_gather cut no heads.
+  CHECK(check_recipe(with({"distributed.cp_size=4", "distributed.cp_comm_type=ring"}), 4).cp() == 4);
+  CHECK(check_recipe(with({"distributed.cp_size=2", "distributed.tp_size=2", "distributed.cp_comm_type=all_gather"}), 4)
+            .cp() == 2);
 }

@@ -29,6 +29,25 @@ case "$mode" in
     run "$layout" "$np" --set train.steps=8 --set model.num_hidden_layers=6 "$@"
     "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 1e-4
     ;;
+  equivalence_kv4)
+    # As equivalence, with 4 key/value heads in both runs (a2a context parallelism over 4 ranks
+    # cuts them over cp).
+    layout=$1; np=$2; shift 2
+    run one 1 --set train.steps=8 --set model.num_key_value_heads=4
+    run "$layout" "$np" --set train.steps=8 --set model.num_key_value_heads=4 "$@"
+    "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 1e-4
+    ;;
+  equivalence_packed)
+    # Packed rows (64 tokens, documents padded to a multiple of 8 in both runs, as cp 4 needs):
+    # the layout follows the one-rank curve, validation included.
+    layout=$1; np=$2; shift 2
+    pack=(--set train.seq_len=64 --set packed_sequence.packed_sequence_size=64 --set packed_sequence.document_multiple=8
+          --set "data.val_path=$work/data/val_*.bin" --set train.eval_every=4 --set train.eval_steps=2)
+    run one 1 --set train.steps=8 "${pack[@]}"
+    run "$layout" "$np" --set train.steps=8 "${pack[@]}" "$@"
+    "$compare" "$work/one/metrics.jsonl" "$work/$layout/metrics.jsonl" 1e-4
+    grep -q "validation: step 8  loss: [0-9]" "$work/$layout.log" || { cat "$work/$layout.log"; echo "no finite validation loss"; exit 1; }
+    ;;
   equivalence_bf16)
     # bf16 compute (f32 masters, f32 loss): both runs round the same products to bf16 except
     # where the layout splits a reduction, so the curves agree to bf16's 2^-8 relative step.
