@@ -4,7 +4,7 @@
 set -euo pipefail
 build=${1:-build}
 min_time=${QUILT_BENCH_MIN_TIME:-0.3}
-for b in matmul_bench elementwise_bench nn_bench; do
+for b in matmul_bench elementwise_bench nn_bench attention_bench; do
   echo "== $b"
   "$build/bench/$b" --benchmark_min_time="$min_time"
 done
@@ -17,6 +17,8 @@ for np in 2 4; do
 done
 echo "== trainer layouts (fsdp2 vs ddp at 4 ranks, memory vs one rank)"
 bash "$(dirname "$0")/parallel/layouts.sh" "$build"
+echo "== context parallelism at seq 4096 (cp 1, 2, 4; ring, all_gather, a2a)"
+bash "$(dirname "$0")/parallel/cp_layouts.sh" "$build"
 echo "== MoE trainer layouts (moe_tiny at 1, 2, 4 ranks, with and without ep)"
 bash "$(dirname "$0")/parallel/moe_layouts.sh" "$build"
 for np in 2 4; do
