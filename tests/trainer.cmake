@@ -96,6 +96,11 @@ quilt_trainer_test("moe: ep 2 x ep_shard 2 (experts FSDP-sharded) follows the on
 quilt_trainer_test("moe: ep 2 with full AC keeping the routing follows the one-rank loss curve" moe_equivalence ep2ac 2
   --set distributed.ep_size=2 --set distributed.activation_checkpointing=true)
 quilt_trainer_test("moe: fsdp 4 without ep follows the one-rank loss curve" moe_equivalence fsdp4 4)
+quilt_trainer_test("moe: cp 2 follows the one-rank loss curve" moe_equivalence cp2 2 --set distributed.cp_size=2)
+quilt_trainer_test("moe: ep 2 over cp 2 (experts split between the ranks of a sequence) follows the one-rank loss curve"
+  moe_equivalence ep2cp2 2 --set distributed.cp_size=2 --set distributed.ep_size=2)
+quilt_trainer_test("moe: fsdp 2 x cp 2 with ep 4 follows the one-rank loss curve" moe_equivalence fsdp2cp2ep4 4
+  --set distributed.cp_size=2 --set distributed.ep_size=4)
 quilt_trainer_test("moe: fsdp 2 x tp 2 with sequence parallel follows the one-rank loss curve" moe_equivalence tp2 4
   --set distributed.tp_size=2 --set distributed.sequence_parallel=true)
 quilt_trainer_test("moe: HF export writes one tensor per expert, which loads back under ep 4 bit-identically" moe_export)
