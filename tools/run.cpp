@@ -1,6 +1,7 @@
 // Building a run: see run.h.
 #include "tools/run.h"
 
+#include <cstdio>
 #include <filesystem>
 #include <optional>
 #include <fstream>
@@ -134,7 +135,8 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   const int64_t pp = r->dims.pp();
   if (pp > 1) {
     const int64_t n_micro = t.micro_batch_size / pc.pp_microbatch_size;
-    lists = pipeline::lower(pipeline::make_schedule(pc.pp_schedule, int(pp), int(n_micro), 2));
+    const pipeline::Schedule schedule = pipeline::make_schedule(pc.pp_schedule, int(pp), int(n_micro), 2);
+    lists = pipeline::lower(schedule);
     pipeline::validate(lists);
     const std::vector<int> ranks = pipeline::stage_ranks(lists);
     spans = pipeline::split_layers(lcfg.num_hidden_layers, int64_t(ranks.size()));
@@ -147,8 +149,11 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
       layout += detail::concat(s ? ", " : "", s, ": layers [", spans[s].first_layer, ", ", spans[s].end_layer, ")",
                                spans[s].embed ? " + embedding" : "", spans[s].head ? " + head" : "", " on rank ",
                                ranks[s]);
+    char modelled[32];
+    std::snprintf(modelled, sizeof modelled, "%.1f%%", 100 * pipeline::bubble_fraction(schedule));
     log_line("pipeline: ", pc.pp_schedule, ", ", ranks.size(), " stages over ", pp, " ranks, ", n_micro,
-             " micro-batches of ", pc.pp_microbatch_size, " (stage ", layout, ")");
+             " micro-batches of ", pc.pp_microbatch_size, " (stage ", layout, "); modelled idle share ", modelled,
+             " (F 1, B 2, I 1, W 1)");
   }
   LlamaParallelizeOptions popts;
   popts.param_dtype = t.param_dtype;

@@ -2,10 +2,12 @@
 //
 // The grouped GEMMs cut each group into tiles whose sizes follow from the shapes alone, sort the
 // tiles largest first and hand them out one at a time inside a single OpenMP parallel region;
-// each tile is one single-threaded Eigen GEMM. Eigen is held to one thread per tile (each
-// thread's nthreads ICV is set to 1 inside the region), so a tile is computed the same way
-// however many threads run and wherever it lands: the result is bit-identical across thread
-// counts. bf16/f16 tiles are widened into per-thread f32 scratch, multiplied and rounded once.
+// each tile is one single-threaded GEMM of the library the engine chose for its transpose mode
+// (kernels/cpu/gemm_libs.h: OpenBLAS, BLIS, oneDNN or Eigen; nested in the region, every one of
+// them runs on the calling thread, and each thread's nthreads ICV is 1 there as well), so a tile
+// is computed the same way however many threads run and wherever it lands: the result is
+// bit-identical across thread counts. bf16/f16 tiles are widened into per-thread f32 scratch,
+// multiplied and rounded once.
 #include "kernels/cpu/moe.h"
 
 #include <omp.h>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "kernels/cpu/eigen_map.h"
+#include "kernels/cpu/gemm_libs.h"
 #include "kernels/cpu/parallel.h"
 
 namespace quilt::kernels::cpu {
@@ -31,13 +34,23 @@ struct Mat {
   Mat at(int64_t r, int64_t c) const { return {p + (trans ? c * ld + r : r * ld + c), ld, trans}; }
 };
 
-// c (m, n), ldc = a (m, k) @ b (k, n) on the calling thread (the caller holds Eigen to one).
+// c (m, n), ldc = a (m, k) @ b (k, n) through the engine's library for the transpose mode (Eigen
+// when it cannot take the operands), on the calling thread inside run_items' region.
 template <class T>
 void gemm_tile(int64_t m, int64_t n, int64_t k, const Mat<T>& a, const Mat<T>& b, T* c, int64_t ldc) {
   MMap<T> C(c, m, n, Eigen::OuterStride<>(ldc));
   if (k == 0) {
     C.setZero();
     return;
+  }
+  const gemm_libs::Lib lib = gemm_libs::active(a.trans, b.trans);
+  if (lib != gemm_libs::Lib::eigen) {
+    const GemmArgs g{.m = m, .n = n, .k = k, .trans_a = a.trans, .trans_b = b.trans, .a = a.p, .lda = a.ld,
+                     .b = b.p, .ldb = b.ld, .c = c, .ldc = ldc};
+    bool done = false;
+    if constexpr (std::is_same_v<T, float>) done = gemm_libs::sgemm(lib, g, a.p, b.p, c);
+    else done = gemm_libs::dgemm(lib, g, a.p, b.p, c);
+    if (done) return;
   }
   CMap<T> A(a.p, a.trans ? k : m, a.trans ? m : k, Eigen::OuterStride<>(a.ld));
   CMap<T> B(b.p, b.trans ? n : k, b.trans ? k : n, Eigen::OuterStride<>(b.ld));
@@ -122,9 +135,14 @@ void run_items(const std::vector<Item>& items, F&& body) {
   if (items.empty()) return;
   const int threads = int(std::min<int64_t>(omp_in_parallel() ? 1 : omp_get_max_threads(), int64_t(items.size())));
   const int64_t n = int64_t(items.size());
+  if (threads == 1) {  // one tile (or one thread): it may use every thread the library has
+    Scratch s;
+    for (int64_t i = 0; i < n; ++i) body(items[size_t(i)], s);
+    return;
+  }
 #pragma omp parallel num_threads(threads)
   {
-    omp_set_num_threads(1);  // this thread's Eigen calls stay single-threaded (see the top)
+    omp_set_num_threads(1);  // this thread's GEMM calls stay single-threaded (see the top)
     Scratch s;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) body(items[size_t(i)], s);
