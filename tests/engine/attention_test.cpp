@@ -153,14 +153,31 @@ TEST_CASE("attention: causal by position: random positions with ties, key positi
                  })[0]};
                },
                .lowp_tol = 4e-2});
-  // A ring step: keys with positions of their own (S != T).
+  // A ring step: keys with positions of their own (S != T). A query may come before every key
+  // (its output 0, its lse -inf, which finite differences cannot difference): outputs only.
   run_op_case({.name = "attention key positions",
                .inputs = {{{1, 2, 9, 2}}, {{1, 2, 75, 2}}, {{1, 2, 75, 2}}, {{1, 9}, Gen::index, false, 80, DType::i64},
                           {{75}, Gen::index, false, 80, DType::i32}},
-               .op = [](const V& x) { return attend(x, {.causal = true, .positions = x[3], .key_positions = x[4]}); },
+               .op = [](const V& x) {
+                 return attend(x, {.causal = true, .positions = x[3], .key_positions = x[4]}, false);
+               },
+               .ref = [&](const R& r) {
+                 return R{attention_ref(r[0], r[1], r[2], scale_for(r[0]), [&](int64_t b, int64_t i, int64_t j) {
+                   return pos_at(r[4], b, j) <= pos_at(r[3], b, i);
+                 })[0]};
+               },
+               .lowp_tol = 4e-2});
+  // Queries at 20..59 against keys at 0..39: each sees some keys (40 draws leave none at 20 or
+  // below with probability (19/40)^40), many see only some; with the lse.
+  run_op_case({.name = "attention key positions with lse",
+               .inputs = {{{1, 2, 9, 2}}, {{1, 2, 40, 2}}, {{1, 2, 40, 2}}, {{1, 9}, Gen::index, false, 40, DType::i64},
+                          {{40}, Gen::index, false, 40, DType::i32}},
+               .op = [](const V& x) {
+                 return attend(x, {.causal = true, .positions = x[3] + 20, .key_positions = x[4]});
+               },
                .ref = [&](const R& r) {
                  return attention_ref(r[0], r[1], r[2], scale_for(r[0]), [&](int64_t b, int64_t i, int64_t j) {
-                   return pos_at(r[4], b, j) <= pos_at(r[3], b, i);
+                   return pos_at(r[4], b, j) <= pos_at(r[3], b, i) + 20;
                  });
                },
                .lowp_tol = 4e-2});
