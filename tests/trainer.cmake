@@ -216,3 +216,12 @@ quilt_pp_rule_test("too few micro-batches for interleaved1f1b"
   --set distributed.pipeline.pp_schedule=interleaved1f1b --set train.micro_batch_size=3 --set train.global_batch_size=6)
 quilt_pp_rule_test("ddp refuses pp" "strategy ddp replicates the whole model on every rank and cannot combine with pp_size=2" --set distributed.pp_size=2
   --set distributed.strategy=ddp)
+# Context parallelism's rules, refused by `config check` at world 4 naming the keys.
+quilt_rule_test(cp llama_tiny.yaml "a2a needs heads and kv heads cp can cut"
+  "distributed.cp_comm_type a2a cuts the heads over cp_size 4" --set distributed.cp_size=4
+  --set distributed.cp_comm_type=a2a)
+quilt_rule_test(cp llama_tiny.yaml "an unknown cp_comm_type" "distributed.cp_comm_type" --set distributed.cp_size=2
+  --set distributed.cp_comm_type=ulysses)
+quilt_rule_test(cp llama_tiny.yaml "a packed document multiple cp cannot cut"
+  "packed_sequence.document_multiple 6 is not a multiple of 2 * cp_size = 8" --set distributed.cp_size=4
+  --set packed_sequence.packed_sequence_size=128 --set train.micro_batch_size=1 --set packed_sequence.document_multiple=6)
