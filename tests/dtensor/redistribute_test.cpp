@@ -63,7 +63,9 @@ TEST_CASE("redistribute: gradients go back to the source layout, Partial sources
         {{Shard(0), Shard(1)}, {Replicate(), Replicate()}}, {{Shard(0), Shard(0)}, {Shard(1), Replicate()}},
         {{Partial(), Shard(1)}, {Replicate(), Shard(0)}},  {{Replicate(), Replicate()}, {Partial(), Shard(1)}},
         {{Partial(ReduceOp::max), Replicate()}, {Shard(1), Replicate()}}};
-    for (const auto& [src, dst] : cases) {
+    for (const auto& entry : cases) {  // no structured binding: clang 14 cannot capture one
+      const auto& src = entry.first;
+      const auto& dst = entry.second;
       INFO(str(src), " -> ", str(dst));
       Tensor x = make_dist(g, mesh, src, 7).detach().set_requires_grad();
       Tensor y = redistribute(x, dst);

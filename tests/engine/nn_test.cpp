@@ -378,7 +378,9 @@ TEST_CASE("nn: gradients reach every parameter and zero_grad clears them") {
   m.init_weights(4);
   Tensor tokens = from_vector({1, 2, 3, 4, 5, 6}, {2, 3}, {.dtype = DType::i64});
   m(tokens).sum().backward();
-  for (const auto& [name, t] : m.named_parameters()) {
+  for (const auto& entry : m.named_parameters()) {  // no structured binding: clang 14 cannot capture one
+    const auto& name = entry.first;
+    const auto& t = entry.second;
     INFO(name);
     REQUIRE(t.grad().defined());
     CHECK(t.grad().shape() == t.shape());

@@ -113,7 +113,9 @@ TEST_CASE("ops: comparisons, where and masked_fill") {
 TEST_CASE("ops: sum, mean, max and min over dims, all dims and keepdim") {
   const std::vector<std::pair<Shape, Shape>> cases = {
       {{17}, {}}, {{4, 6}, {1}}, {{4, 6}, {0}}, {{3, 4, 5}, {0, 2}}, {{3, 4, 5}, {-1}}, {{2, 3, 4}, {}}, {{0, 3}, {0}}, {{}, {}}};
-  for (const auto& [shape, dims] : cases) {
+  for (const auto& entry : cases) {  // no structured binding: clang 14 cannot capture one
+    const auto& shape = entry.first;
+    const auto& dims = entry.second;
     for (bool keep : {false, true}) {
       run_op_case({.name = "sum", .inputs = {{shape}},
                    .op = [&](const V& x) { return V{sum(x[0], dims, keep)}; },

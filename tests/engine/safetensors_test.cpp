@@ -288,7 +288,9 @@ TEST_CASE("safetensors: every dtype round-trips bit for bit, including 0-d, empt
     SafetensorsFile f = load_safetensors(path, {.mmap = mmap});
     CHECK(f.metadata == metadata);
     REQUIRE(f.tensors.size() == tensors.size());
-    for (const auto& [name, t] : tensors) {
+    for (const auto& entry : tensors) {  // no structured binding: clang 14 cannot capture one
+      const auto& name = entry.first;
+      const auto& t = entry.second;
       INFO("tensor: ", name);
       const Tensor& r = f.at(name);
       CHECK(r.dtype() == t.dtype());

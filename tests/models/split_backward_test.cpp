@@ -33,9 +33,15 @@ void check_split_equals_whole(const LlamaStage& stage) {
   DeferredBackward rest = backward_inputs({stage_loss(split, hs, targets)}, {}, {hs});
   REQUIRE(hs.grad().defined());
   CHECK(hs.grad().to_vector() == hw.grad().to_vector());  // the same ops in the same order
-  for (auto& [name, p] : split.named_parameters()) CHECK_MESSAGE(!p.grad().defined(), name);
+  for (auto& entry : split.named_parameters()) {  // no structured binding: clang 14 cannot capture one
+    auto& name = entry.first;
+    auto& p = entry.second;
+    CHECK_MESSAGE(!p.grad().defined(), name);
+  }
   backward_weights(std::move(rest));
-  for (auto& [name, p] : split.named_parameters()) {
+  for (auto& entry : split.named_parameters()) {  // no structured binding: clang 14 cannot capture one
+    auto& name = entry.first;
+    auto& p = entry.second;
     REQUIRE_MESSAGE(p.grad().defined(), name);
     const auto a = p.grad().to_vector(), b = whole.parameter(name).grad().to_vector();
     double worst = 0;

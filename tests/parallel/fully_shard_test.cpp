@@ -85,7 +85,9 @@ std::map<std::string, Tensor> reference_grads(int world, int64_t layers = 3) {
 }
 
 void check_grads_match(Module& net, const std::map<std::string, Tensor>& ref, double tol) {
-  for (auto& [name, p] : net.named_parameters()) {
+  for (auto& entry : net.named_parameters()) {  // no structured binding: clang 14 cannot capture one
+    auto& name = entry.first;
+    auto& p = entry.second;
     REQUIRE_MESSAGE(p.grad().defined(), name);
     CHECK_MESSAGE(p.grad().is_distributed(), name);
     const Tensor full = full_tensor(p.grad());
@@ -215,7 +217,9 @@ void check_experts_step(Communicator& c, ExpertsNet& net, FSDPModule& root, cons
   CHECK(dtensor::grad_norm(net.parameters()).item<double>() == doctest::Approx(want.grad_norm).epsilon(tol));
   SGD opt(net.parameters(), kExpertsSGD);
   opt.step();
-  for (auto& [name, p] : net.named_parameters()) {
+  for (auto& entry : net.named_parameters()) {  // no structured binding: clang 14 cannot capture one
+    auto& name = entry.first;
+    auto& p = entry.second;
     REQUIRE_MESSAGE(p.is_distributed(), name);
     const double err = max_diff(full_tensor(p), want.params.at(name));
     CHECK_MESSAGE(err <= tol, name, " after the step differs by ", err);
@@ -533,11 +537,17 @@ TEST_CASE("fully_shard: a model built without storage gets, shard by shard, the 
       DeferredInitGuard deferred;
       net = std::make_shared<Net>(kDim, 3);
     }
-    for (auto& [name, p] : net->named_parameters()) CHECK_MESSAGE(is_deferred(p), name);
+    for (auto& entry : net->named_parameters()) {  // no structured binding: clang 14 cannot capture one
+      auto& name = entry.first;
+      auto& p = entry.second;
+      CHECK_MESSAGE(is_deferred(p), name);
+    }
     CHECK_THROWS_WITH(net->init_weights(5), doctest::Contains("has no storage (built under DeferredInitGuard)"));
     auto root = shard_net(*net, mesh);
     net->init_weights(5);
-    for (auto& [name, p] : net->named_parameters()) {
+    for (auto& entry : net->named_parameters()) {  // no structured binding: clang 14 cannot capture one
+      auto& name = entry.first;
+      auto& p = entry.second;
       CHECK_FALSE(is_deferred(p));
       CHECK_MESSAGE(full_tensor(p).to_vector() == want.at(name).to_vector(), name);
     }
@@ -596,7 +606,11 @@ TEST_CASE("fully_shard: a (2, 12, 6) parameter on 4 ranks is sharded on dim 1 an
     for (auto& [name, p] : net->named_parameters()) p.set_grad(Tensor());
     loss_of((*net)(experts_batch(c.rank()))).backward();
     root->finish_backward();
-    for (auto& [name, p] : net->named_parameters()) CHECK_MESSAGE(p.grad().defined(), name);
+    for (auto& entry : net->named_parameters()) {  // no structured binding: clang 14 cannot capture one
+      auto& name = entry.first;
+      auto& p = entry.second;
+      CHECK_MESSAGE(p.grad().defined(), name);
+    }
   });
 }
 
@@ -729,7 +743,9 @@ TEST_CASE("fully_shard: a model built without storage gets, in dim-1 shards, the
     auto root = shard_experts_net(*net, mesh);
     REQUIRE(placements_of(net->block(0).w()) == Placements{Shard(1)});
     net->init_weights(11);
-    for (auto& [name, p] : net->named_parameters()) {
+    for (auto& entry : net->named_parameters()) {  // no structured binding: clang 14 cannot capture one
+      auto& name = entry.first;
+      auto& p = entry.second;
       CHECK_FALSE(is_deferred(p));
       CHECK_MESSAGE(full_tensor(p).to_vector() == want.at(name).to_vector(), name);
     }
@@ -761,7 +777,9 @@ TEST_CASE("fully_shard: a checkpoint saved under Shard(1) loads into a plain mod
   auto plain = std::make_shared<ExpertsNet>(10);
   plain->init_weights(12345);  // other values, all overwritten by the load
   dtensor::load_checkpoint(dir, plain->named_parameters());
-  for (auto& [name, p] : plain->named_parameters()) {
+  for (auto& entry : plain->named_parameters()) {  // no structured binding: clang 14 cannot capture one
+    auto& name = entry.first;
+    auto& p = entry.second;
     const double err = max_diff(p, want.params.at(name));
     CHECK_MESSAGE(err <= 1e-5, name, " differs by ", err);
   }

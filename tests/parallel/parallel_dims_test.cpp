@@ -233,7 +233,9 @@ void check_meshes(const ParallelDims& d, const Meshes& meshes, int rank) {
       {"pp", {"pp"}}, {"dp_replicate", {"dp_replicate"}}, {"dp_shard", {"dp_shard"}}, {"cp", {"cp"}}, {"tp", {"tp"}},
       {"dp", {"dp_replicate", "dp_shard"}}, {"dp_shard_cp", {"dp_shard", "cp"}},
       {"dp_cp", {"dp_replicate", "dp_shard", "cp"}}};
-  for (const auto& [name, axes] : views) {
+  for (const auto& entry : views) {  // no structured binding: clang 14 cannot capture one
+    const auto& name = entry.first;
+    const auto& axes = entry.second;
     CAPTURE(name);
     const DeviceMesh m = meshes[name];
     const std::vector<int64_t> want = expected_group(d, rank, axes);

@@ -73,7 +73,9 @@ void check_against_whole(const std::string& schedule, int pp, int n, bool varied
   });
   CHECK(pipeline_loss == doctest::Approx(whole_loss).epsilon(1e-6));
   CHECK(grads.size() == whole.named_parameters().size());
-  for (auto& [name, p] : whole.named_parameters()) {
+  for (auto& entry : whole.named_parameters()) {  // no structured binding: clang 14 cannot capture one
+    auto& name = entry.first;
+    auto& p = entry.second;
     const std::vector<double> want = p.grad().to_vector(), got = grads[name];
     REQUIRE_MESSAGE(got.size() == want.size(), name);
     double worst = 0;
