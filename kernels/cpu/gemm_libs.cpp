@@ -184,7 +184,7 @@ struct Probe {
     for (size_t i = 0; i < v.size(); ++i) v[i] = float(int(i % size_t(mod)) - mod / 2) * 0.25f;
     return v;
   }
-  static double flops() { return 2.0 * double(t * h * f); }
+  double flops() const { return 2.0 * double(t * h * f); }
   // mode = 2·trans_a + trans_b
   double seconds(Lib lib, int mode) {
     GemmArgs g;
@@ -202,29 +202,46 @@ struct Probe {
 
 const char* const kModes[4] = {"NN", "NT", "TN", "TT"};
 
-// Every present library in every transpose mode, in interleaved rounds (a burst of load from
-// elsewhere then slows all of them alike), each scored by its best round; per mode the fastest.
-Choice measure_all() {
-  std::vector<Lib> present_libs;
-  for (int i = 0; i < kNumLibs; ++i)
-    if (present(Lib(i))) present_libs.push_back(Lib(i));
+// Tiles of a grouped GEMM (kernels/cpu/moe.cpp) as its region runs them: every thread one
+// single-threaded GEMM at once, 256 rows of an expert's tokens (hidden 2048) against 512 columns
+// of its weight, in each transpose mode.
+struct TileProbe {
+  static constexpr int64_t m = 256, n = 512, k = 2048;
+  const int threads = std::max(1, omp_get_max_threads());
+  std::vector<float> a = Probe::filled(m * k, 7), b = Probe::filled(k * n, 5),
+                     c = Probe::filled(m * n * threads, 3);
+  double flops() const { return 2.0 * double(m * n * k) * threads; }
+  double seconds(Lib lib, int mode) {
+    const bool ta = mode & 2, tb = mode & 1;
+    const GemmArgs g{.m = m, .n = n, .k = k, .trans_a = ta, .trans_b = tb, .lda = ta ? m : k, .ldb = tb ? k : n,
+                     .ldc = n};
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads)
+    {
+      omp_set_num_threads(1);  // as inside the grouped GEMM's region
+      sgemm(lib, g, a.data(), b.data(), c.data() + m * n * omp_get_thread_num());
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+// Per mode, the present library with the best of `rounds` interleaved timings of `probe`.
+template <class P>
+void pick(const std::vector<Lib>& present_libs, P& probe, Lib* by_mode, std::ostringstream& why) {
   std::vector<std::array<double, 4>> rate(present_libs.size(), std::array<double, 4>{});
-  Probe probe;
   for (Lib lib : present_libs)
     for (int mode = 0; mode < 4; ++mode) probe.seconds(lib, mode);  // warm: threads started, code paged in
   for (int round = 0; round < 3; ++round)
     for (int mode = 0; mode < 4; ++mode)
       for (size_t i = 0; i < present_libs.size(); ++i)
         rate[i][size_t(mode)] =
-            std::max(rate[i][size_t(mode)], Probe::flops() / probe.seconds(present_libs[i], mode) * 1e-9);
-  Choice c;
-  std::ostringstream why;
+            std::max(rate[i][size_t(mode)], probe.flops() / probe.seconds(present_libs[i], mode) * 1e-9);
   for (int mode = 0; mode < 4; ++mode) {
     std::vector<size_t> order(present_libs.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(),
                      [&](size_t x, size_t y) { return rate[x][size_t(mode)] > rate[y][size_t(mode)]; });
-    c.by_mode[mode] = present_libs[order.front()];
+    by_mode[mode] = present_libs[order.front()];
     why << (mode ? "; " : "") << kModes[mode];
     for (size_t i : order) {
       char buf[64];
@@ -232,7 +249,23 @@ Choice measure_all() {
       why << buf;
     }
   }
-  c.reason = why.str() + " GFLOP/s";
+  why << " GFLOP/s";
+}
+
+// Every present library in every transpose mode, in interleaved rounds (a burst of load from
+// elsewhere then slows all of them alike), each scored by its best round; per mode the fastest,
+// over every thread (Probe) and, for grouped GEMM tiles, on one (TileProbe).
+Choice measure_all() {
+  std::vector<Lib> present_libs;
+  for (int i = 0; i < kNumLibs; ++i)
+    if (present(Lib(i))) present_libs.push_back(Lib(i));
+  Choice c;
+  std::ostringstream why, tile_why;
+  Probe probe;
+  pick(present_libs, probe, c.by_mode, why);
+  TileProbe tile;
+  pick(present_libs, tile, c.tile_by_mode, tile_why);
+  c.reason = why.str() + "; grouped GEMM tiles, a thread each: " + tile_why.str();
   return c;
 }
 
@@ -275,16 +308,20 @@ Choice choose_impl(bool remeasure) {
     std::ifstream in(file);
     std::string names, rates;
     if (!std::getline(in, names) || !std::getline(in, rates)) return false;
-    std::istringstream words(names);
+    std::string tiles;
+    if (!std::getline(in, tiles)) return false;  // a cache from before the tile choice: measure again
     Choice read;
-    for (int mode = 0; mode < 4; ++mode) {
-      std::string name;
-      if (!(words >> name)) return false;
-      int found = -1;
-      for (int i = 0; i < kNumLibs; ++i)
-        if (name == kNames[i] && present(Lib(i))) found = i;
-      if (found < 0) return false;
-      read.by_mode[mode] = Lib(found);
+    for (auto [line, into] : {std::pair{&names, read.by_mode}, std::pair{&tiles, read.tile_by_mode}}) {
+      std::istringstream words(*line);
+      for (int mode = 0; mode < 4; ++mode) {
+        std::string name;
+        if (!(words >> name)) return false;
+        int found = -1;
+        for (int i = 0; i < kNumLibs; ++i)
+          if (name == kNames[i] && present(Lib(i))) found = i;
+        if (found < 0) return false;
+        into[mode] = Lib(found);
+      }
     }
     read.reason = "fastest measured on this CPU: " + rates + " (cached in " + file.string() + ")";
     out = read;
@@ -306,6 +343,7 @@ Choice choose_impl(bool remeasure) {
       std::ofstream out(tmp);
       for (int mode = 0; mode < 4; ++mode) out << kNames[int(c.by_mode[mode])] << (mode < 3 ? " " : "\n");
       out << rates << "\n";
+      for (int mode = 0; mode < 4; ++mode) out << kNames[int(c.tile_by_mode[mode])] << (mode < 3 ? " " : "\n");
       saved = bool(out.flush());
     }
     if (saved) fs::rename(tmp, file, ec);
@@ -323,6 +361,7 @@ Choice choose_impl(bool remeasure) {
 
 std::once_flag g_chosen;
 std::atomic<int> g_active[4] = {0, 0, 0, 0};  // per transpose mode
+std::atomic<int> g_active_tile[4] = {0, 0, 0, 0};  // per transpose mode, grouped GEMM tiles
 std::string g_reason;  // written once under g_chosen, or by set_active
 std::mutex g_reason_mu;
 
@@ -331,7 +370,10 @@ void ensure_chosen() {
     Choice c = choose_impl(false);
     std::lock_guard<std::mutex> lock(g_reason_mu);
     g_reason = c.reason + (bf16_native() ? "; bf16: native (oneDNN)" : "; bf16: widened to f32");
-    for (int mode = 0; mode < 4; ++mode) g_active[mode].store(int(c.by_mode[mode]));
+    for (int mode = 0; mode < 4; ++mode) {
+      g_active[mode].store(int(c.by_mode[mode]));
+      g_active_tile[mode].store(int(c.tile_by_mode[mode]));
+    }
   });
 }
 
@@ -352,11 +394,17 @@ Lib active(bool trans_a, bool trans_b) {
   return Lib(g_active[2 * int(trans_a) + int(trans_b)].load(std::memory_order_relaxed));
 }
 
+Lib active_tile(bool trans_a, bool trans_b) {
+  ensure_chosen();
+  return Lib(g_active_tile[2 * int(trans_a) + int(trans_b)].load(std::memory_order_relaxed));
+}
+
 void set_active(Lib lib) {
   ensure_chosen();
   if (!present(lib)) (void)parse(lib_name(lib), "set_gemm_backend");  // throws naming the package
   std::lock_guard<std::mutex> lock(g_reason_mu);
   for (auto& m : g_active) m.store(int(lib));
+  for (auto& m : g_active_tile) m.store(int(lib));
   g_reason = "set by the program";
 }
 
@@ -365,6 +413,7 @@ void set_active(Lib lib, int mode) {
   if (!present(lib)) (void)parse(lib_name(lib), "set_gemm_backend");
   std::lock_guard<std::mutex> lock(g_reason_mu);
   g_active[mode & 3].store(int(lib));
+  g_active_tile[mode & 3].store(int(lib));
   g_reason = "set by the program";
 }
 

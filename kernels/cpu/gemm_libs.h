@@ -9,7 +9,8 @@
 // The active library is chosen once, on the first GEMM: QUILT_GEMM=name forces it; otherwise
 // a short measurement of every present library at the shapes a training step runs (tokens x
 // hidden, with the transposes of the forward and of both backward GEMMs) picks the fastest in
-// each transpose mode (no library wins every mode on every CPU).
+// each transpose mode (no library wins every mode on every CPU), and, apart, the fastest for the
+// grouped GEMM's tiles, which run a single-threaded GEMM on every thread at once.
 // The result is kept in a cache file keyed by the CPU model, its flags, the thread count and the
 // libraries present, so later processes on the machine (every rank of a job, every test) make
 // the same choice without measuring; ranks that start together measure once, under a lock.
@@ -32,7 +33,12 @@ const char* lib_name(Lib lib);
 bool present(Lib lib);
 /// The library for f32/f64 GEMMs in one transpose mode (chosen on first call).
 Lib active(bool trans_a, bool trans_b);
-/// Forces `lib` in every mode (tests and benchmarks compare them; QUILT_GEMM does the same at start).
+/// The library for the single-threaded tiles of a grouped GEMM (kernels/cpu/moe.cpp) in one
+/// transpose mode: measured apart, on one thread at a tile's shape, since the library that is
+/// fastest on a whole GEMM over every thread need not be the fastest on one.
+Lib active_tile(bool trans_a, bool trans_b);
+/// Forces `lib` in every mode, tiles too (tests and benchmarks compare them; QUILT_GEMM does the
+/// same at start).
 void set_active(Lib lib);
 /// Forces `lib` in one transpose mode (2·trans_a + trans_b).
 void set_active(Lib lib, int mode);
@@ -42,7 +48,8 @@ std::string reason();
 struct Choice {
   Lib by_mode[4] = {Lib::eigen, Lib::eigen, Lib::eigen, Lib::eigen};  // index 2·trans_a + trans_b
   std::string reason;
-  static Choice all(Lib lib, std::string why) { return {{lib, lib, lib, lib}, std::move(why)}; }
+  Lib tile_by_mode[4] = {Lib::eigen, Lib::eigen, Lib::eigen, Lib::eigen};  // single-threaded tiles
+  static Choice all(Lib lib, std::string why) { return {{lib, lib, lib, lib}, std::move(why), {lib, lib, lib, lib}}; }
 };
 /// The choice as the first GEMM makes it, without applying it: QUILT_GEMM, else the cache
 /// file, else a measurement that is then cached. `remeasure` ignores (and rewrites) the cache.

@@ -2,8 +2,8 @@
 //
 // The grouped GEMMs cut each group into tiles whose sizes follow from the shapes alone, sort the
 // tiles largest first and hand them out one at a time inside a single OpenMP parallel region;
-// each tile is one single-threaded GEMM of the library the engine chose for its transpose mode
-// (kernels/cpu/gemm_libs.h: OpenBLAS, BLIS, oneDNN or Eigen; nested in the region, every one of
+// each tile is one single-threaded GEMM of the library measured fastest for such tiles in its
+// transpose mode (kernels/cpu/gemm_libs.h: OpenBLAS, BLIS, oneDNN or Eigen; nested in the region, every one of
 // them runs on the calling thread, and each thread's nthreads ICV is 1 there as well), so a tile
 // is computed the same way however many threads run and wherever it lands: the result is
 // bit-identical across thread counts. bf16/f16 tiles are widened into per-thread f32 scratch,
@@ -34,8 +34,8 @@ struct Mat {
   Mat at(int64_t r, int64_t c) const { return {p + (trans ? c * ld + r : r * ld + c), ld, trans}; }
 };
 
-// c (m, n), ldc = a (m, k) @ b (k, n) through the engine's library for the transpose mode (Eigen
-// when it cannot take the operands), on the calling thread inside run_items' region.
+// c (m, n), ldc = a (m, k) @ b (k, n) through the tile library of the transpose mode (Eigen when
+// it cannot take the operands), on the calling thread inside run_items' region.
 template <class T>
 void gemm_tile(int64_t m, int64_t n, int64_t k, const Mat<T>& a, const Mat<T>& b, T* c, int64_t ldc) {
   MMap<T> C(c, m, n, Eigen::OuterStride<>(ldc));
@@ -43,7 +43,7 @@ void gemm_tile(int64_t m, int64_t n, int64_t k, const Mat<T>& a, const Mat<T>& b
     C.setZero();
     return;
   }
-  const gemm_libs::Lib lib = gemm_libs::active(a.trans, b.trans);
+  const gemm_libs::Lib lib = gemm_libs::active_tile(a.trans, b.trans);
   if (lib != gemm_libs::Lib::eigen) {
     const GemmArgs g{.m = m, .n = n, .k = k, .trans_a = a.trans, .trans_b = b.trans, .a = a.p, .lda = a.ld,
                      .b = b.p, .ldb = b.ld, .c = c, .ldc = ldc};

@@ -6,8 +6,9 @@
 //
 // The grouped GEMMs split the work into items (group, row tile, column tile) whose sizes
 // depend only on the shapes, run them in one OpenMP parallel region, and give each item a
-// single-threaded Eigen GEMM: many small groups keep every thread busy, and the results are
-// the same bits for any thread count. bf16/f16 tiles are widened to f32, multiplied and
+// single-threaded GEMM of the library measured fastest for such tiles (kernels/cpu/gemm_libs.h):
+// many small groups keep every thread busy, and the results are the same bits for any thread
+// count. bf16/f16 tiles are widened to f32, multiplied and
 // rounded once. The row kernels copy or sum whole rows, one output row per thread at a time
 // (deterministic: a token's k rows are summed in slot order).
 #pragma once

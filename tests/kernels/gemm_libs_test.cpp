@@ -218,9 +218,29 @@ TEST_CASE("gemm libraries: a measured choice is cached per CPU and read back") {
   std::string name;
   std::ifstream(files[0]) >> name;
   CHECK(name == gl::lib_name(first.by_mode[0]));
+  // The grouped GEMM's tiles are measured apart (a thread each) and cached beside the rest.
+  CHECK(first.reason.find("; grouped GEMM tiles, a thread each: NN ") != std::string::npos);
   const auto second = gl::choose();
   for (int mode = 0; mode < 4; ++mode) CHECK(second.by_mode[mode] == first.by_mode[mode]);
+  for (int mode = 0; mode < 4; ++mode) CHECK(second.tile_by_mode[mode] == first.tile_by_mode[mode]);
   CHECK(second.reason.find("(cached in " + files[0].string() + ")") != std::string::npos);
+  // A cache file without the tile line (as written before tiles were measured) is measured over.
+  {
+    std::ifstream in(files[0]);
+    std::string names, rates;
+    std::getline(in, names), std::getline(in, rates);
+    in.close();
+    std::ofstream(files[0]) << names << "\n" << rates << "\n";
+  }
+  const auto old_format = gl::choose();
+  CHECK(old_format.reason.find("; grouped GEMM tiles, a thread each: ") != std::string::npos);
+  {
+    std::ifstream in(files[0]);
+    std::string line;
+    int lines = 0;
+    while (std::getline(in, line)) ++lines;
+    CHECK(lines == 3);
+  }
   // A cache file naming something unknown is measured over and rewritten.
   std::ofstream(files[0]) << "nonsense\nnothing\n";
   const auto third = gl::choose();
