@@ -40,6 +40,9 @@ void gemm_one(const GemmArgs& g, const T* a, const T* b, T* c, Lib lib) {
 bool small_batches(const GemmArgs& g) { return g.batch > 1 && g.m * g.n * g.k < (int64_t(1) << 18); }
 
 int64_t off(const int64_t* o, int64_t i) { return o ? o[i] : 0; }
+// p + the i-th batch offset; an empty operand's null pointer stays null (k = 0: nothing is read).
+template <class P>
+P* at(P* p, const int64_t* o, int64_t i) { return p ? p + off(o, i) : p; }
 
 template <class T>
 void gemm_batched(const GemmArgs& g) {
@@ -49,13 +52,13 @@ void gemm_batched(const GemmArgs& g) {
   if (small_batches(g)) {
     parallel_range(g.batch, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i)
-        gemm_one<T>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), Lib::eigen);
+        gemm_one<T>(g, at(a, g.a_offsets, i), at(b, g.b_offsets, i), at(c, g.c_offsets, i), Lib::eigen);
     });
     return;
   }
   const Lib lib = gemm_libs::active(g.trans_a, g.trans_b);
   for (int64_t i = 0; i < g.batch; ++i)
-    gemm_one<T>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), lib);
+    gemm_one<T>(g, at(a, g.a_offsets, i), at(b, g.b_offsets, i), at(c, g.c_offsets, i), lib);
 }
 
 // --- 16-bit floats ---------------------------------------------------------------------------
@@ -63,6 +66,7 @@ void gemm_batched(const GemmArgs& g) {
 // dst (rows x cols, dense) = float(src) with row stride ld, rows in parallel.
 template <class H>
 void widen(float* dst, const H* src, int64_t rows, int64_t cols, int64_t ld) {
+  if (rows == 0 || cols == 0) return;  // src may be null then
   parallel_range(rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, cols)), [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const H* s = src + i * ld;
@@ -145,7 +149,7 @@ void gemm_half(const GemmArgs& g) {
   if (small_batches(g)) {
     parallel_range(g.batch, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i)
-        gemm_half_one<H>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), Lib::eigen,
+        gemm_half_one<H>(g, at(a, g.a_offsets, i), at(b, g.b_offsets, i), at(c, g.c_offsets, i), Lib::eigen,
                          false);
     });
     return;
@@ -153,7 +157,7 @@ void gemm_half(const GemmArgs& g) {
   const Lib lib = gemm_libs::active(g.trans_a, g.trans_b);
   const bool native = std::is_same_v<H, BFloat16> && gemm_libs::bf16_native();
   for (int64_t i = 0; i < g.batch; ++i)
-    gemm_half_one<H>(g, a + off(g.a_offsets, i), b + off(g.b_offsets, i), c + off(g.c_offsets, i), lib, native);
+    gemm_half_one<H>(g, at(a, g.a_offsets, i), at(b, g.b_offsets, i), at(c, g.c_offsets, i), lib, native);
 }
 
 }  // namespace

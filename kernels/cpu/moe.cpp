@@ -291,6 +291,10 @@ compute_t<T> dot_fixed(const T* a, const T* b, int64_t n) {
 template <class T>
 void slot_dot_t(int64_t tokens, int64_t h, int64_t k, const int64_t* slot_row, const T* a, int64_t lda, const T* b,
                 int64_t ldb, T* d) {
+  if (h == 0) {  // empty rows (a and b may be null): every dot product is 0
+    std::fill(d, d + tokens * k, T(0));
+    return;
+  }
   parallel_range(tokens * k, row_grain(2 * h), [&](int64_t lo, int64_t hi) {
     for (int64_t s = lo; s < hi; ++s) d[s] = T(dot_fixed(a + (s / k) * lda, b + slot_row[s] * ldb, h));
   });

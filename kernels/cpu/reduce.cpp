@@ -100,6 +100,11 @@ void reduce_typed(const ReduceLoop& l) {
     out[offset_of(0, l.out_ndim, l.out_shape, l.out_strides)] = O(static_cast<compute_t<O>>(acc));
     return;
   }
+  if (nred == 0) {  // an empty reduction: the identity, and the (empty, maybe null) input never touched
+    for (int64_t o = 0; o < nout; ++o)
+      out[offset_of(o, l.out_ndim, l.out_shape, l.out_strides)] = O(static_cast<compute_t<O>>(identity<op, A>()));
+    return;
+  }
   if (row || nout == 1) {
     parallel_range(nout, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, nred)), [&](int64_t b, int64_t e) {
       for (int64_t o = b; o < e; ++o) {
