@@ -16,11 +16,6 @@ common=(--config recipes/llama_tiny.yaml --set "data.path=$data/train_*.bin" --s
         --set model.num_attention_heads=8 --set model.num_key_value_heads=4
         --set "model.max_position_embeddings=$seq" --set "train.seq_len=$seq"
         --set train.global_batch_size=1 --set train.micro_batch_size=1 --set train.warmup_steps=2)
-run() {  # run NAME NP ARGS...
-  local name=$1 np=$2; shift 2
-  "${mpi[@]}" -n "$np" "$quilt" train "${common[@]}" --set "logging.dir=$work/$name" "$@" > "$work/$name.log" 2>&1 ||
-    { cat "$work/$name.log"; exit 1; }
-}
 summary() {  # summary NAME -> "tokens/s peak_MiB state_MiB activations_MiB"
   python3 - "$work/$1/metrics.jsonl" "$warm" "$work/$1.log" <<'PY'
 import json, re, statistics, sys

@@ -8,15 +8,6 @@ default_steps=30
 source "$(dirname "$0")/common.sh"
 common=(--config recipes/llama_tiny.yaml --set "data.path=$data/train_*.bin" --set data.val_path=none
         --set train.eval_every=0 --set "train.steps=$steps" --set logging.every_steps=1000)
-# hidden 512, 4 layers, intermediate 1376, 8 heads / 4 kv, seq 256: 12.5M parameters.
-m12=(--set model.hidden_size=512 --set model.intermediate_size=1376 --set model.num_hidden_layers=4
-     --set model.num_attention_heads=8 --set model.num_key_value_heads=4 --set model.max_position_embeddings=256
-     --set train.seq_len=256 --set train.global_batch_size=8)
-run() {  # run NAME NP ARGS...
-  local name=$1 np=$2; shift 2
-  "${mpi[@]}" -n "$np" "$quilt" train "${common[@]}" --set "logging.dir=$work/$name" "$@" > "$work/$name.log" 2>&1 ||
-    { cat "$work/$name.log"; exit 1; }
-}
 summary() {  # summary NAME -> "tokens/s gather_wait_ms peak_MiB"
   python3 - "$work/$1/metrics.jsonl" "$warm" <<'PY'
 import json, statistics, sys
