@@ -7,10 +7,10 @@
 
 namespace quilt {
 
-Tensor causal_lm_loss(const Tensor& logits, const Tensor& targets) {
+Tensor causal_lm_loss(const Tensor& logits, const Tensor& targets, Reduction reduction) {
   Tensor l = logits;
   if (l.dtype() != DType::f32 && l.dtype() != DType::f64) l = cast(l, DType::f32);
-  return cross_entropy(l.reshape({-1, l.size(-1)}), targets.reshape({-1}));
+  return cross_entropy(l.reshape({-1, l.size(-1)}), targets.reshape({-1}), -100, reduction);
 }
 
 Tensor default_positions(const Tensor& tokens) {
@@ -21,34 +21,23 @@ Tensor default_positions(const Tensor& tokens) {
 Batch context_parallel_batch(const Batch& b, int cp, int rank) {
   const int64_t rows = b.inputs.size(0), t = b.inputs.size(1);
   const Tensor positions = b.positions.defined() ? b.positions : default_positions(b.inputs);
-  std::vector<Batch> parts;
+  const Tensor docs = b.document_ids.defined() ? contiguous(cast(b.document_ids, DType::i64)) : Tensor();
+  // Every row's indices into the flattened (B·T) batch, rows in order.
+  std::vector<int64_t> flat;
   for (int64_t r = 0; r < rows; ++r) {
-    std::vector<int64_t> idx;
-    if (b.document_ids.defined()) {
-      // Documents: the runs of equal ids along the row.
-      const Tensor d = contiguous(cast(b.document_ids.narrow(0, r, 1), DType::i64));
-      const int64_t* ids = d.data<int64_t>();
-      std::vector<int64_t> cu{0};
+    std::vector<int64_t> cu{0};  // documents: the runs of equal ids along the row
+    if (docs.defined()) {
+      const int64_t* ids = docs.data<int64_t>() + r * t;
       for (int64_t i = 1; i < t; ++i)
         if (ids[i] != ids[i - 1]) cu.push_back(i);
-      cu.push_back(t);
-      idx = cp_document_token_indices(cu, cp, rank);
-    } else {
-      idx = cp_token_indices(t, cp, rank);
     }
-    auto row = [&](const Tensor& x) {
-      return x.defined() ? cp_shard_sequence(x.narrow(0, r, 1), 1, idx) : Tensor();
-    };
-    parts.push_back({row(b.inputs), row(b.targets), row(positions), row(b.document_ids)});
+    cu.push_back(t);
+    for (int64_t i : cp_document_token_indices(cu, cp, rank)) flat.push_back(r * t + i);
   }
-  if (rows == 1) return parts[0];
-  auto stack_rows = [&](Tensor Batch::*f) {
-    std::vector<Tensor> xs;
-    for (const Batch& p : parts) xs.push_back(p.*f);
-    return xs[0].defined() ? cat(xs, 0) : Tensor();
+  auto shard = [&](const Tensor& x) {
+    return x.defined() ? cp_shard_sequence(x.reshape({rows * t}), 0, flat).reshape({rows, -1}) : Tensor();
   };
-  return {stack_rows(&Batch::inputs), stack_rows(&Batch::targets), stack_rows(&Batch::positions),
-          stack_rows(&Batch::document_ids)};
+  return {shard(b.inputs), shard(b.targets), shard(positions), shard(b.document_ids)};
 }
 
 Tensor LocalTrainStep::loss_of(const Batch& b) {
@@ -63,10 +52,8 @@ Tensor LocalTrainStep::loss_of(const Batch& b) {
   const Batch mine = context_parallel_batch(b, cp->size(), cp->rank());
   Tensor count = sum(cast(ne(mine.targets, scalar_like(-100, mine.targets)), DType::f64));
   cp->all_reduce(count, ReduceOp::sum);
-  Tensor logits = forward_(mine.inputs, mine.positions, mine.document_ids);
-  if (logits.dtype() != DType::f32 && logits.dtype() != DType::f64) logits = cast(logits, DType::f32);
-  const Tensor total = cross_entropy(logits.reshape({-1, logits.size(-1)}), mine.targets.reshape({-1}), -100,
-                                     Reduction::sum);
+  const Tensor total =
+      causal_lm_loss(forward_(mine.inputs, mine.positions, mine.document_ids), mine.targets, Reduction::sum);
   return total * (double(cp->size()) / count.item<double>());
 }
 

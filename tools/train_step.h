@@ -13,16 +13,17 @@
 
 #include "collectives/communicator.h"
 #include "engine/nn/module.h"
+#include "engine/ops/nn.h"
 #include "parallel/data_parallel.h"
 #include "parallel/pipeline/runtime.h"
 #include "tools/data.h"
 
 namespace quilt {
 
-/// The loss of a causal language model: mean next-token cross entropy of logits (B, T, V) —
-/// vocab-sharded logits too, which cross entropy reduces without gathering — against targets
-/// (B, T), computed in f32.
-Tensor causal_lm_loss(const Tensor& logits, const Tensor& targets);
+/// The loss of a causal language model: mean (or `reduction`) next-token cross entropy of
+/// logits (B, T, V) — vocab-sharded logits too, which cross entropy reduces without gathering —
+/// against targets (B, T), computed in f32; targets of -100 do not count.
+Tensor causal_lm_loss(const Tensor& logits, const Tensor& targets, Reduction reduction = Reduction::mean);
 
 /// Positions 0..T-1 of every sequence of a (B, T) batch, as (B, T) i64.
 Tensor default_positions(const Tensor& tokens);
