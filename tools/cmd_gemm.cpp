@@ -1,6 +1,7 @@
 // `quilt gemm`: the GEMM libraries this machine has, the one the engine uses and why (the
 // forcing QUILT_GEMM, or the GFLOP/s measured at training shapes and the cache file holding
-// them). `--measure` measures again and rewrites the cache; `--list` prints the names only.
+// them), and the shape classes of large GEMMs measured so far with the library each uses.
+// `--measure` measures the per-mode choice again and rewrites the cache; `--list` prints the names only.
 #include <cstdio>
 
 #include "kernels/cpu/gemm_libs.h"
@@ -27,6 +28,9 @@ int gemm_info(const CommandArgs& a) {
     return 0;
   }
   std::printf("gemm: %s (%s)\n", kernels::cpu::gemm_backend().c_str(), kernels::cpu::gemm_backend_reason().c_str());
+  const auto classes = kernels::cpu::gemm_libs::shape_choices();
+  std::printf("shape classes measured on this machine: %zu\n", classes.size());
+  for (const std::string& c : classes) std::printf("  %s\n", c.c_str());
   return 0;
 }
 

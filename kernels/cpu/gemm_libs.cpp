@@ -11,12 +11,15 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -150,7 +153,7 @@ void eigen_gemm_t(const GemmArgs& g, const T* a, const T* b, T* c) {
 
 // --- the choice -----------------------------------------------------------------------------
 
-std::string cpu_signature() {
+std::string read_cpu_signature() {
   std::ifstream in("/proc/cpuinfo");
   std::string line, model, flags;
   while (std::getline(in, line) && (model.empty() || flags.empty())) {
@@ -158,6 +161,12 @@ std::string cpu_signature() {
     if (flags.empty() && line.rfind("flags", 0) == 0) flags = line;
   }
   return model + "\n" + flags;
+}
+
+// The CPU's model name and flags, read once (reading /proc/cpuinfo takes milliseconds).
+const std::string& cpu_signature() {
+  static const std::string signature = read_cpu_signature();
+  return signature;
 }
 
 uint64_t fnv1a(const std::string& s) {
@@ -172,6 +181,38 @@ fs::path cache_dir() {
   if (const char* d = std::getenv("HOME"); d && *d) return fs::path(d) / ".cache" / "quilt";
   return {};
 }
+
+// The cache files' path without extension: the directory and a hash of what the choice depends
+// on (CPU model and flags, thread count, libraries present); empty without a cache directory.
+fs::path cache_stem() {
+  const fs::path dir = cache_dir();
+  if (dir.empty()) return {};
+  std::string key = cpu_signature() + "\nthreads " + std::to_string(omp_get_max_threads());
+  for (int i = 0; i < kNumLibs; ++i)
+    if (present(Lib(i))) key += std::string(" ") + kNames[i];
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
+  return dir / (std::string("gemm-") + hex);
+}
+
+// An exclusive lock on `stem`.lock for as long as it lives (processes measuring at once take
+// turns, and each measures undisturbed by the others).
+struct FileLock {
+  int fd = -1;
+  explicit FileLock(const fs::path& stem) {
+    std::error_code ec;
+    fs::create_directories(stem.parent_path(), ec);
+    fd = ::open((stem.string() + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+    if (fd >= 0) ::flock(fd, LOCK_EX);
+  }
+  ~FileLock() {
+    if (fd < 0) return;
+    ::flock(fd, LOCK_UN);
+    ::close(fd);
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+};
 
 // The GEMMs of a linear layer in training, at 1024 tokens, hidden 512 and intermediate 1376,
 // one per transpose mode: forward x·Wᵀ (NT), dX = dY·W (NN), dW = dYᵀ·X (TN), and TT alike.
@@ -292,18 +333,13 @@ Choice choose_impl(bool remeasure) {
   for (int i = 0; i < kNumLibs; ++i) n_present += present(Lib(i));
   if (n_present == 1) return Choice::all(Lib::eigen, "the only GEMM library present");
 
-  std::string key = cpu_signature() + "\nthreads " + std::to_string(omp_get_max_threads());
-  for (int i = 0; i < kNumLibs; ++i)
-    if (present(Lib(i))) key += std::string(" ") + kNames[i];
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
   const fs::path dir = cache_dir();
   if (dir.empty()) {
     Choice c = measure_all();
     c.reason = "fastest measured now: " + c.reason + " (no cache directory: HOME unset)";
     return c;
   }
-  const fs::path file = dir / (std::string("gemm-") + hex + ".txt");
+  const fs::path file = cache_stem().string() + ".txt";
   auto read_cached = [&](Choice& out) {
     std::ifstream in(file);
     std::string names, rates;
@@ -330,10 +366,8 @@ Choice choose_impl(bool remeasure) {
   Choice c;
   if (!remeasure && read_cached(c)) return c;
   std::error_code ec;
-  fs::create_directories(dir, ec);
   // Ranks that start together: one measures, the others wait for its file.
-  const int lock = ::open((file.string() + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
-  if (lock >= 0) ::flock(lock, LOCK_EX);
+  FileLock lock(cache_stem());
   if (remeasure || !read_cached(c)) {
     c = measure_all();
     const std::string rates = c.reason;
@@ -352,29 +386,116 @@ Choice choose_impl(bool remeasure) {
     c.reason = "fastest measured on this CPU: " + rates +
                (saved ? " (cached in " + file.string() + ")" : " (cache not writable: " + dir.string() + ")");
   }
-  if (lock >= 0) {
-    ::flock(lock, LOCK_UN);
-    ::close(lock);
-  }
   return c;
 }
 
 std::once_flag g_chosen;
 std::atomic<int> g_active[4] = {0, 0, 0, 0};  // per transpose mode
 std::atomic<int> g_active_tile[4] = {0, 0, 0, 0};  // per transpose mode, grouped GEMM tiles
-std::string g_reason;  // written once under g_chosen, or by set_active
+std::atomic<bool> g_forced{false};  // one library everywhere: no shape classes
+Choice g_choice;       // as made on first use, for set_auto
+std::string g_reason;  // written once under g_chosen, or by set_active / set_auto
 std::mutex g_reason_mu;
+
+void apply(const Choice& c) {  // under g_reason_mu
+  g_reason = c.reason + (bf16_native() ? "; bf16: native (oneDNN)" : "; bf16: widened to f32") +
+             (c.forced ? "" : "; GEMMs of 2^24 multiply-adds or more: per shape class, measured on first use");
+  for (int mode = 0; mode < 4; ++mode) {
+    g_active[mode].store(int(c.by_mode[mode]));
+    g_active_tile[mode].store(int(c.tile_by_mode[mode]));
+  }
+  g_forced.store(c.forced);
+}
 
 void ensure_chosen() {
   std::call_once(g_chosen, [] {
     Choice c = choose_impl(false);
     std::lock_guard<std::mutex> lock(g_reason_mu);
-    g_reason = c.reason + (bf16_native() ? "; bf16: native (oneDNN)" : "; bf16: widened to f32");
-    for (int mode = 0; mode < 4; ++mode) {
-      g_active[mode].store(int(c.by_mode[mode]));
-      g_active_tile[mode].store(int(c.tile_by_mode[mode]));
-    }
+    g_choice = c;
+    apply(c);
   });
+}
+
+// --- shape classes ---------------------------------------------------------------------------
+
+constexpr double kClassMin = double(int64_t(1) << 24);     // m·n·k from which a GEMM has a class
+constexpr double kMeasureMax = double(int64_t(1) << 31);   // m·n·k of one timed run at most
+
+int log2_round(int64_t x) { return int(std::lround(std::log2(double(std::max<int64_t>(x, 1))))); }
+
+struct ShapeChoice {
+  Lib lib;
+  std::string rates;  // every library's GFLOP/s, fastest first
+};
+
+std::mutex g_shapes_mu;
+std::map<std::string, ShapeChoice> g_shapes;  // class -> choice, this process's and the file's
+bool g_shapes_read = false;
+
+fs::path shapes_file() {
+  const fs::path stem = cache_stem();
+  return stem.empty() ? fs::path() : fs::path(stem.string() + "-shapes.tsv");
+}
+
+// Adds the file's classes (lines "class<TAB>library<TAB>rates") not known yet; a line naming an
+// absent or unknown library is skipped (its class is measured again).
+void read_shapes(const fs::path& file) {
+  if (file.empty()) return;
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t t1 = line.find('\t'), t2 = t1 == std::string::npos ? t1 : line.find('\t', t1 + 1);
+    if (t2 == std::string::npos) continue;
+    const std::string name = line.substr(t1 + 1, t2 - t1 - 1);
+    for (int i = 0; i < kNumLibs; ++i)
+      if (name == kNames[i] && present(Lib(i))) g_shapes.emplace(line.substr(0, t1), ShapeChoice{Lib(i), line.substr(t2 + 1)});
+  }
+}
+
+// Every present library timed on the call's own operands into a scratch output (beta 0), in
+// interleaved rounds, each scored by its best. A GEMM larger than kMeasureMax is timed on a
+// corner of itself: its largest dimension halved until it fits, so one class costs well under a
+// second to measure however large its GEMMs are.
+ShapeChoice measure_shape(const GemmArgs& call, const float* a, const float* b) {
+  GemmArgs g = call;
+  g.beta = 0.0f;
+  g.batch = 1;
+  g.a_offsets = g.b_offsets = g.c_offsets = nullptr;
+  while (double(g.m) * double(g.n) * double(g.k) > kMeasureMax) {
+    int64_t* largest = g.m >= g.n && g.m >= g.k ? &g.m : (g.n >= g.k ? &g.n : &g.k);
+    if (*largest <= 64) break;
+    *largest /= 2;
+  }
+  g.ldc = g.n;
+  std::vector<float> c(size_t(g.m * g.n));
+  std::vector<Lib> libs_here;
+  for (int i = 0; i < kNumLibs; ++i)
+    if (present(Lib(i))) libs_here.push_back(Lib(i));
+  std::vector<double> rate(libs_here.size(), 0.0);
+  std::vector<bool> works(libs_here.size());
+  for (size_t i = 0; i < libs_here.size(); ++i) works[i] = sgemm(libs_here[i], g, a, b, c.data());  // warm
+  const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
+  for (int round = 0; round < 2; ++round)
+    for (size_t i = 0; i < libs_here.size(); ++i) {
+      if (!works[i]) continue;
+      const auto t0 = std::chrono::steady_clock::now();
+      sgemm(libs_here[i], g, a, b, c.data());
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      rate[i] = std::max(rate[i], flops / std::max(s, 1e-9) * 1e-9);
+    }
+  std::vector<size_t> order(libs_here.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return rate[x] > rate[y]; });
+  std::string rates;
+  for (size_t i : order) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s%s %.0f", rates.empty() ? "" : " ", kNames[int(libs_here[i])], rate[i]);
+    rates += buf;
+  }
+  char buf[96];
+  std::snprintf(buf, sizeof buf, " GFLOP/s at %lldx%lldx%lld", static_cast<long long>(g.m),
+                static_cast<long long>(g.n), static_cast<long long>(g.k));
+  return {libs_here[order.front()], rates + buf};
 }
 
 }  // namespace
@@ -405,6 +526,7 @@ void set_active(Lib lib) {
   std::lock_guard<std::mutex> lock(g_reason_mu);
   for (auto& m : g_active) m.store(int(lib));
   for (auto& m : g_active_tile) m.store(int(lib));
+  g_forced.store(true);
   g_reason = "set by the program";
 }
 
@@ -414,7 +536,56 @@ void set_active(Lib lib, int mode) {
   std::lock_guard<std::mutex> lock(g_reason_mu);
   g_active[mode & 3].store(int(lib));
   g_active_tile[mode & 3].store(int(lib));
+  g_forced.store(true);
   g_reason = "set by the program";
+}
+
+void set_auto() {
+  ensure_chosen();
+  std::lock_guard<std::mutex> lock(g_reason_mu);
+  apply(g_choice);
+}
+
+std::string shape_class(const GemmArgs& g) {
+  if (double(g.m) * double(g.n) * double(g.k) < kClassMin) return "";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s m 2^%d n 2^%d k 2^%d", kModes[2 * int(g.trans_a) + int(g.trans_b)],
+                log2_round(g.m), log2_round(g.n), log2_round(g.k));
+  return buf;
+}
+
+Lib active_for(const GemmArgs& g, const float* a, const float* b) {
+  const Lib by_mode = active(g.trans_a, g.trans_b);
+  if (g_forced.load(std::memory_order_relaxed) || omp_in_parallel()) return by_mode;
+  const std::string cls = shape_class(g);
+  if (cls.empty()) return by_mode;
+  std::lock_guard<std::mutex> lock(g_shapes_mu);
+  if (auto it = g_shapes.find(cls); it != g_shapes.end()) return it->second.lib;
+  const fs::path file = shapes_file();
+  if (!g_shapes_read) {
+    read_shapes(file);
+    g_shapes_read = true;
+    if (auto it = g_shapes.find(cls); it != g_shapes.end()) return it->second.lib;
+  }
+  std::optional<FileLock> file_lock;
+  if (!file.empty()) {
+    file_lock.emplace(cache_stem());
+    read_shapes(file);  // another process may have measured it meanwhile
+    if (auto it = g_shapes.find(cls); it != g_shapes.end()) return it->second.lib;
+  }
+  ShapeChoice c = measure_shape(g, a, b);
+  g_shapes.emplace(cls, c);
+  if (!file.empty()) std::ofstream(file, std::ios::app) << cls << '\t' << kNames[int(c.lib)] << '\t' << c.rates << '\n';
+  return c.lib;
+}
+
+std::vector<std::string> shape_choices() {
+  std::lock_guard<std::mutex> lock(g_shapes_mu);
+  read_shapes(shapes_file());
+  g_shapes_read = true;
+  std::vector<std::string> out;
+  for (const auto& [cls, c] : g_shapes) out.push_back(cls + ": " + kNames[int(c.lib)] + " (" + c.rates + ")");
+  return out;
 }
 
 std::string reason() {

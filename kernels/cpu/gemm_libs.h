@@ -14,6 +14,13 @@
 // The result is kept in a cache file keyed by the CPU model, its flags, the thread count and the
 // libraries present, so later processes on the machine (every rank of a job, every test) make
 // the same choice without measuring; ranks that start together measure once, under a lock.
+//
+// One choice per transpose mode is not enough: on one CPU the library fastest for tokens x hidden
+// in a mode can be 1.4x slower than another at tokens x intermediate in the same mode. So a large
+// f32 GEMM (m·n·k ≥ 2^24) is matched to its shape class (the transpose mode and m, n, k each
+// rounded to the nearest power of two): the first GEMM of a class times every present library
+// on the call's own operands (into a scratch output) and the fastest serves the class from then
+// on, in this process and, through a second cache file beside the first, in every later one.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +40,16 @@ const char* lib_name(Lib lib);
 bool present(Lib lib);
 /// The library for f32/f64 GEMMs in one transpose mode (chosen on first call).
 Lib active(bool trans_a, bool trans_b);
+/// The library for one f32 GEMM: its shape class's (measured on first use, see above) when the
+/// GEMM is large, no library is forced and no parallel region is active; else `active`.
+/// `a` and `b` are the call's operands, read (never written) if the class must be measured.
+Lib active_for(const GemmArgs& g, const float* a, const float* b);
+/// The shape classes chosen so far (this process's and the cache file's), one line each:
+/// "NT m 2^13 n 2^9 k 2^10: openblas (openblas 224 onednn 159 ... GFLOP/s)".
+std::vector<std::string> shape_choices();
+/// The shape class of a GEMM, as `shape_choices` names it ("NT m 2^13 n 2^9 k 2^10"), or "" when
+/// it is too small to have one.
+std::string shape_class(const GemmArgs& g);
 /// The library for the single-threaded tiles of a grouped GEMM (kernels/cpu/moe.cpp) in one
 /// transpose mode: measured apart, on one thread at a tile's shape, since the library that is
 /// fastest on a whole GEMM over every thread need not be the fastest on one.
@@ -42,6 +59,8 @@ Lib active_tile(bool trans_a, bool trans_b);
 void set_active(Lib lib);
 /// Forces `lib` in one transpose mode (2·trans_a + trans_b).
 void set_active(Lib lib, int mode);
+/// Undoes set_active: the measured (or QUILT_GEMM's) choice again, per shape class included.
+void set_auto();
 /// How the active library was chosen, for the startup log.
 std::string reason();
 
@@ -49,7 +68,10 @@ struct Choice {
   Lib by_mode[4] = {Lib::eigen, Lib::eigen, Lib::eigen, Lib::eigen};  // index 2·trans_a + trans_b
   std::string reason;
   Lib tile_by_mode[4] = {Lib::eigen, Lib::eigen, Lib::eigen, Lib::eigen};  // single-threaded tiles
-  static Choice all(Lib lib, std::string why) { return {{lib, lib, lib, lib}, std::move(why), {lib, lib, lib, lib}}; }
+  bool forced = false;  // one library for everything (QUILT_GEMM, or the only one present): no shape classes
+  static Choice all(Lib lib, std::string why) {
+    return {{lib, lib, lib, lib}, std::move(why), {lib, lib, lib, lib}, true};
+  }
 };
 /// The choice as the first GEMM makes it, without applying it: QUILT_GEMM, else the cache
 /// file, else a measurement that is then cached. `remeasure` ignores (and rewrites) the cache.

@@ -56,7 +56,9 @@ void gemm_batched(const GemmArgs& g) {
     });
     return;
   }
-  const Lib lib = gemm_libs::active(g.trans_a, g.trans_b);
+  Lib lib = gemm_libs::active(g.trans_a, g.trans_b);
+  if constexpr (std::is_same_v<T, float>)
+    if (g.k > 0) lib = gemm_libs::active_for(g, at(a, g.a_offsets, 0), at(b, g.b_offsets, 0));
   for (int64_t i = 0; i < g.batch; ++i)
     gemm_one<T>(g, at(a, g.a_offsets, i), at(b, g.b_offsets, i), at(c, g.c_offsets, i), lib);
 }
@@ -96,10 +98,11 @@ float* sized(std::vector<float>& v, int64_t n) {
   return v.data();
 }
 
-// One 16-bit GEMM. B is widened once; A and C go through in row panels of C so the f32 copies
+// One 16-bit GEMM (its f32 panels on `lib`, or on their shape class's library when `by_shape`).
+// B is widened once; A and C go through in row panels of C so the f32 copies
 // stay small next to the operands (the panels are still large enough for a full-speed GEMM).
 template <class H>
-void gemm_half_one(const GemmArgs& g, const H* a, const H* b, H* c, Lib lib, bool native) {
+void gemm_half_one(const GemmArgs& g, const H* a, const H* b, H* c, Lib lib, bool native, bool by_shape) {
   if (g.m == 0 || g.n == 0) return;
   thread_local HalfBuffers buf;
   const int64_t panel = std::max<int64_t>(256, (int64_t(8) << 20) / std::max<int64_t>(1, std::max(g.k, g.n)));
@@ -135,7 +138,7 @@ void gemm_half_one(const GemmArgs& g, const H* a, const H* b, H* c, Lib lib, boo
       widen(A, a_panel, ar, ac, g.lda);
       f.lda = ac;
       f.ldb = bc;
-      gemm_one<float>(f, A, B, C, lib);
+      gemm_one<float>(f, A, B, C, by_shape && f.k > 0 ? gemm_libs::active_for(f, A, B) : lib);
     }
     narrow(c + i0 * g.ldc, C, mp, g.n, g.ldc);
   }
@@ -150,14 +153,14 @@ void gemm_half(const GemmArgs& g) {
     parallel_range(g.batch, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i)
         gemm_half_one<H>(g, at(a, g.a_offsets, i), at(b, g.b_offsets, i), at(c, g.c_offsets, i), Lib::eigen,
-                         false);
+                         false, false);
     });
     return;
   }
   const Lib lib = gemm_libs::active(g.trans_a, g.trans_b);
   const bool native = std::is_same_v<H, BFloat16> && gemm_libs::bf16_native();
   for (int64_t i = 0; i < g.batch; ++i)
-    gemm_half_one<H>(g, at(a, g.a_offsets, i), at(b, g.b_offsets, i), at(c, g.c_offsets, i), lib, native);
+    gemm_half_one<H>(g, at(a, g.a_offsets, i), at(b, g.b_offsets, i), at(c, g.c_offsets, i), lib, native, true);
 }
 
 }  // namespace

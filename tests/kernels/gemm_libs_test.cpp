@@ -96,12 +96,8 @@ const std::vector<Case> kCases = {
 };
 
 struct ScopedLib {
-  gl::Lib before[4] = {gl::active(false, false), gl::active(false, true), gl::active(true, false),
-                       gl::active(true, true)};
   explicit ScopedLib(const std::string& lib) { cpu::set_gemm_backend(lib); }
-  ~ScopedLib() {
-    for (int mode = 0; mode < 4; ++mode) gl::set_active(before[mode], mode);
-  }
+  ~ScopedLib() { gl::set_auto(); }
 };
 
 struct ScopedEnv {
@@ -247,5 +243,64 @@ TEST_CASE("gemm libraries: a measured choice is cached per CPU and read back") {
   CHECK(third.reason.find("cached in") != std::string::npos);
   std::ifstream(files[0]) >> name;
   CHECK(name != "nonsense");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("gemm libraries: a large GEMM's shape class is measured once, cached, and read by later processes") {
+  namespace fs = std::filesystem;
+  if (cpu::gemm_backends().size() < 2 || std::getenv("QUILT_GEMM")) {
+    MESSAGE("one library forced or present: no shape classes");
+    CHECK(gl::shape_class({.m = 1024, .n = 1024, .k = 1024}) == "NN m 2^10 n 2^10 k 2^10");
+    return;
+  }
+  const fs::path dir = fs::temp_directory_path() / ("quilt-gemm-shapes-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  ScopedEnv cache("QUILT_CACHE_DIR", dir.string());
+  gl::set_auto();
+  CHECK(gl::reason().find("per shape class, measured on first use") != std::string::npos);
+  // Classes: the mode and m, n, k rounded to the nearest power of two; small GEMMs have none.
+  CHECK(gl::shape_class({.m = 384, .n = 640, .k = 200, .trans_a = true}) == "TN m 2^9 n 2^9 k 2^8");
+  CHECK(gl::shape_class({.m = 8192, .n = 512, .k = 1376, .trans_b = true}) == "NT m 2^13 n 2^9 k 2^10");
+  CHECK(gl::shape_class({.m = 255, .n = 256, .k = 256}) == "");
+  auto lines = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().string().ends_with("-shapes.tsv")) {
+        std::ifstream in(e.path());
+        for (std::string l; std::getline(in, l);) out.push_back(l);
+      }
+    return out;
+  };
+  // The first GEMM of a class measures it (the result is still right) and writes one line.
+  const Case large{384, 640, 200, true, false, 1, 1.0f, 0.5f};
+  CHECK(max_error<float>(large, DType::f32) < 1e-5);
+  auto after = lines();
+  REQUIRE(after.size() == 1);
+  CHECK(after[0].starts_with("TN m 2^9 n 2^9 k 2^8\t"));
+  CHECK(after[0].find(" GFLOP/s at 384x640x200") != std::string::npos);
+  bool listed = false;
+  for (const auto& l : gl::shape_choices()) listed = listed || l.starts_with("TN m 2^9 n 2^9 k 2^8: ");
+  CHECK(listed);
+  // The same class again, a small GEMM, and any GEMM with a library forced: no new line.
+  CHECK(max_error<float>({400, 600, 210, true, false, 0, 1.0f, 0.0f}, DType::f32) < 1e-5);
+  CHECK(max_error<float>({37, 29, 53, false, false, 0, 1.0f, 0.0f}, DType::f32) < 1e-5);
+  {
+    ScopedLib use("eigen");
+    CHECK(max_error<float>({300, 300, 300, false, true, 0, 1.0f, 0.0f}, DType::f32) < 1e-5);
+  }
+  CHECK(lines().size() == 1);
+  // A class another process measured is read from the file, not measured again: the line below
+  // names Eigen for a class this process has not seen (its operands are never read, so null).
+  fs::path shapes;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().string().ends_with("-shapes.tsv")) shapes = e.path();
+  REQUIRE(!shapes.empty());
+  std::ofstream(shapes, std::ios::app) << "NT m 2^14 n 2^3 k 2^10\teigen\tfrom another process\n"
+                                       << "NN m 2^14 n 2^3 k 2^10\tmkl\tnot a library\n";
+  CHECK(gl::active_for({.m = 16384, .n = 8, .k = 1024, .trans_b = true}, nullptr, nullptr) == gl::Lib::eigen);
+  bool unknown = false;
+  for (const auto& l : gl::shape_choices()) unknown = unknown || l.starts_with("NN m 2^14 n 2^3 k 2^10");
+  CHECK_FALSE(unknown);
+  CHECK(lines().size() == 3);
   fs::remove_all(dir);
 }
