@@ -687,6 +687,7 @@ Work Communicator::batch_p2p(const std::vector<P2POp>& ops, bool async_op) {
   c.desc.root = single ? ops[0].peer : int(ops.size());
   c.desc.tag = single ? ops[0].tag : 0;
   std::vector<std::function<void()>> back;
+  c.p2p.reserve(ops.size());
   for (const P2POp& op : ops) {
     detail::P2PItem item;
     item.is_send = op.kind == P2POp::Kind::send;

@@ -223,7 +223,7 @@ struct InlineSlot {
   std::shared_ptr<CommTrace> trace;
   std::atomic<uint64_t> seq{0};  // 0: nothing running inline, else the op's sequence number
   std::atomic<int64_t> timeout_ms{0};
-  std::atomic<int32_t> kind{0}, dtype{0}, rop{-1}, root{-1}, ndim{-1};
+  std::atomic<int32_t> kind{0}, dtype{0}, rop{-1}, root{-1}, ndim{-1}, tag{0};
   std::atomic<int64_t> dims[8] = {};
 
   /// Publishes `d` as running (d.shape beyond 8 dims is summarised by its first 8).
@@ -233,6 +233,7 @@ struct InlineSlot {
     dtype.store(d.has_tensor ? int32_t(d.dtype) : -1, std::memory_order_relaxed);
     rop.store(d.rop ? int32_t(*d.rop) : -1, std::memory_order_relaxed);
     root.store(d.root, std::memory_order_relaxed);
+    tag.store(d.tag, std::memory_order_relaxed);
     const size_t nd = d.has_tensor ? d.shape.size() : 0;
     ndim.store(d.has_tensor ? int32_t(nd) : -1, std::memory_order_relaxed);
     for (size_t i = 0; i < nd && i < 8; ++i) dims[i].store(d.shape[i], std::memory_order_relaxed);

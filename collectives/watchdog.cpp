@@ -235,6 +235,7 @@ std::optional<std::pair<OpDesc, std::chrono::milliseconds>> InlineSlot::snapshot
   const int32_t r = rop.load(std::memory_order_relaxed);
   if (r >= 0) d.rop = ReduceOp(r);
   d.root = root.load(std::memory_order_relaxed);
+  d.tag = tag.load(std::memory_order_relaxed);
   const int32_t nd = ndim.load(std::memory_order_relaxed);
   Shape shape;
   for (int32_t i = 0; i < nd && i < 8; ++i) shape.push_back(dims[i].load(std::memory_order_relaxed));

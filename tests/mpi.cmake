@@ -69,6 +69,9 @@ quilt_mpi_test("collectives: a rank that skips a collective aborts the job namin
   COMMAND $<TARGET_FILE:collectives_fault> skip ${_fault}
   EXPECT_FAIL "\\[watchdog\\] all_reduce #5 on world \\(shape \\(4,\\), f32, sum"
               "ranks that had not arrived: 2 \\(last started all_reduce #4")
+quilt_mpi_test("collectives: a synchronous recv that is never matched makes the watchdog abort the job naming it" NP 3
+  COMMAND $<TARGET_FILE:collectives_fault> unmatched_recv ${_fault}
+  EXPECT_FAIL "\\[watchdog\\] recv p2p#1 on world \\(shape \\(3,\\), f32, from rank 2, tag 5, rank 0\\) did not complete")
 quilt_mpi_test("collectives: a rank killed with SIGKILL ends the job" NP 3
   COMMAND $<TARGET_FILE:collectives_fault> sigkill ${_fault}
   EXPECT_FAIL "signal 9|Killed")

@@ -186,6 +186,31 @@ std::vector<int> world_ranks_of(MPI_Comm comm) {
   return out;
 }
 
+// The failure of a finished batch of point-to-point requests ("" when there is none): an MPI
+// error, or a receive that got another element count than it expects (expected[i] < 0: a send).
+std::string p2p_failure(const OpDesc& desc, int rc, const MPI_Status* st, size_t n, const int* expected,
+                        const MPI_Datatype* types, const int* peers) {
+  if (rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING] = {};
+    int len = 0;
+    int err = rc;
+    for (size_t i = 0; i < n; ++i)
+      if (st[i].MPI_ERROR != MPI_SUCCESS && st[i].MPI_ERROR != MPI_ERR_PENDING) err = st[i].MPI_ERROR;
+    MPI_Error_string(err, text, &len);
+    return concat("[", op_kind_name(desc.kind), "] ", desc.str(), " failed: ", text,
+                  err == MPI_ERR_TRUNCATE ? " (the matching send has more elements than the receive)" : "");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (expected[i] < 0) continue;
+    int got = 0;
+    MPI_Get_count(&st[i], types[i], &got);
+    if (got != expected[i])
+      return concat("[recv] ", desc.str(), ": rank ", peers[i], " sent ", got, " elements but the receive expects ",
+                    expected[i]);
+  }
+  return "";
+}
+
 // ---- point-to-point work: MPI requests tested by whoever gets there first ----
 class MpiP2PWork final : public WorkState {
  public:
@@ -227,28 +252,9 @@ class MpiP2PWork final : public WorkState {
 
  private:
   void complete(int rc, std::vector<MPI_Status>& st) {
-    if (rc != MPI_SUCCESS) {
-      char text[MPI_MAX_ERROR_STRING] = {};
-      int len = 0;
-      int err = rc;
-      for (auto& s : st)
-        if (s.MPI_ERROR != MPI_SUCCESS && s.MPI_ERROR != MPI_ERR_PENDING) err = s.MPI_ERROR;
-      MPI_Error_string(err, text, &len);
-      mark_failed(concat("[", op_kind_name(desc.kind), "] ", desc.str(), " failed: ", text,
-                         err == MPI_ERR_TRUNCATE ? " (the matching send has more elements than the receive)" : ""));
-      return;
-    }
-    for (size_t i = 0; i < reqs.size(); ++i) {
-      if (expected[i] < 0) continue;
-      int got = 0;
-      MPI_Get_count(&st[i], types[i], &got);
-      if (got != expected[i]) {
-        mark_failed(concat("[recv] ", desc.str(), ": rank ", peers[i], " sent ", got, " elements but the receive expects ",
-                           expected[i]));
-        return;
-      }
-    }
-    mark_done();
+    std::string failure = p2p_failure(desc, rc, st.data(), reqs.size(), expected.data(), types.data(), peers.data());
+    if (failure.empty()) mark_done();
+    else mark_failed(std::move(failure));
   }
   std::mutex req_mu_;
 };
@@ -262,11 +268,13 @@ class MpiCommunicator final : public Communicator {
     trace_->uid = stable_hash(name);
     trace_->world_ranks = world_ranks_of(comm);
     watchdog::register_trace(trace_);
-    slot_ = std::make_shared<InlineSlot>();
-    slot_->comm = name;
-    slot_->rank = rank;
-    slot_->trace = trace_;
-    watchdog::watch_inline(slot_);
+    for (auto* slot : {&slot_, &p2p_slot_}) {
+      *slot = std::make_shared<InlineSlot>();
+      (*slot)->comm = name;
+      (*slot)->rank = rank;
+      (*slot)->trace = trace_;
+      watchdog::watch_inline(*slot);
+    }
   }
 
   ~MpiCommunicator() override { shutdown(); }
@@ -442,6 +450,18 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::shared_ptr<WorkState> start_p2p(OpCall& c) {
+    // A synchronous batch of up to 8 sends and receives: posted and waited for on the caller's
+    // thread with no WorkState or watchdog entry (the p2p inline slot keeps it watched), unless
+    // another thread is using the slot.
+    bool expected_free = false;
+    if (!c.async && c.p2p.size() <= kInlineP2P && p2p_busy_.compare_exchange_strong(expected_free, true)) {
+      struct Release {
+        std::atomic<bool>& busy;
+        ~Release() { busy.store(false, std::memory_order_release); }
+      } release{p2p_busy_};
+      run_p2p_inline(c);
+      return nullptr;
+    }
     auto w = std::make_shared<MpiP2PWork>(c.desc, timeout());
     w->use_mpi_from_any_thread = g().multiple;
     for (P2PItem& it : c.p2p) {
@@ -460,10 +480,47 @@ class MpiCommunicator final : public Communicator {
     return w;
   }
 
+  static constexpr size_t kInlineP2P = 8;
+
+  void run_p2p_inline(OpCall& c) {
+    p2p_slot_->enter(c.desc, timeout());
+    struct Leave {
+      InlineSlot& s;
+      ~Leave() { s.leave(); }
+    } leave{*p2p_slot_};
+    const size_t n = c.p2p.size();
+    MPI_Request reqs[kInlineP2P];
+    MPI_Status st[kInlineP2P];
+    MPI_Datatype types[kInlineP2P];
+    int expected[kInlineP2P], peers[kInlineP2P];
+    int counts[kInlineP2P];
+    for (size_t i = 0; i < n; ++i) {  // everything that can throw, before anything is posted
+      types[i] = mpi_type(c.p2p[i].tensor.dtype());
+      counts[i] = to_count(c.p2p[i].tensor.numel(), c.desc);
+      expected[i] = c.p2p[i].is_send ? -1 : counts[i];
+      peers[i] = c.p2p[i].peer;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      P2PItem& it = c.p2p[i];
+      const int rc = it.is_send ? MPI_Isend(it.tensor.data_ptr(), counts[i], types[i], it.peer, it.tag, comm_, &reqs[i])
+                                : MPI_Irecv(it.tensor.data_ptr(), counts[i], types[i], it.peer, it.tag, comm_, &reqs[i]);
+      if (rc != MPI_SUCCESS) {  // withdraw what was posted, then report it as the asynchronous path does
+        for (size_t j = 0; j < i; ++j) MPI_Cancel(&reqs[j]), MPI_Request_free(&reqs[j]);
+        throw_mpi_error(rc, it.is_send ? "MPI_Isend" : "MPI_Irecv", __FILE__, __LINE__);
+      }
+    }
+    int rc;
+    rc = MPI_Waitall(int(n), reqs, st);
+    std::string failure = p2p_failure(c.desc, rc, st, n, expected, types, peers);
+    if (!failure.empty()) throw Error(failure);
+  }
+
   MPI_Comm comm_;
   CommOptions opts_;
   std::shared_ptr<CommTrace> trace_;
-  std::shared_ptr<InlineSlot> slot_;
+  std::shared_ptr<InlineSlot> slot_;      // synchronous collectives run inline
+  std::shared_ptr<InlineSlot> p2p_slot_;  // synchronous point-to-point batches run inline
+  std::atomic<bool> p2p_busy_{false};
   OpExecutor exec_;
 };
 
