@@ -509,8 +509,7 @@ class MpiCommunicator final : public Communicator {
         throw_mpi_error(rc, it.is_send ? "MPI_Isend" : "MPI_Irecv", __FILE__, __LINE__);
       }
     }
-    int rc;
-    rc = MPI_Waitall(int(n), reqs, st);
+    const int rc = MPI_Waitall(int(n), reqs, st);
     std::string failure = p2p_failure(c.desc, rc, st, n, expected, types, peers);
     if (!failure.empty()) throw Error(failure);
   }
