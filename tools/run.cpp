@@ -139,7 +139,14 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
     lists = pipeline::lower(schedule);
     pipeline::validate(lists);
     const std::vector<int> ranks = pipeline::stage_ranks(lists);
-    spans = pipeline::split_layers(lcfg.num_hidden_layers, int64_t(ranks.size()));
+    // The embedding and the head weigh as many layers as they cost (the head's GEMM against
+    // an average layer's), so no pipeline rank carries a layer more than the split needs.
+    double layer_macs = 0;
+    for (int64_t l = 0; l < lcfg.num_hidden_layers; ++l) layer_macs += lcfg.layer_macs_per_token(l, t.seq_len);
+    layer_macs /= double(lcfg.num_hidden_layers);
+    const pipeline::PseudoLayerWeights split_w = pipeline::pseudo_layer_weights(
+        lcfg.num_hidden_layers, int64_t(ranks.size()), 0.0, lcfg.head_macs_per_token() / layer_macs);
+    spans = pipeline::split_layers(lcfg.num_hidden_layers, int64_t(ranks.size()), split_w.input, split_w.output);
     const int me = int(r->dims.coords(r->world->rank()).pp);
     my_stages.clear();
     for (size_t s = 0; s < ranks.size(); ++s)
@@ -152,7 +159,8 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
     char modelled[32];
     std::snprintf(modelled, sizeof modelled, "%.1f%%", 100 * pipeline::bubble_fraction(schedule));
     log_line("pipeline: ", pc.pp_schedule, ", ", ranks.size(), " stages over ", pp, " ranks, ", n_micro,
-             " micro-batches of ", pc.pp_microbatch_size, " (stage ", layout, "); modelled idle share ", modelled,
+             " micro-batches of ", pc.pp_microbatch_size, " (stage ", layout, "; the embedding weighs ",
+             split_w.input, " layers and the head ", split_w.output, "); modelled idle share ", modelled,
              " (F 1, B 2, I 1, W 1)");
   }
   LlamaParallelizeOptions popts;

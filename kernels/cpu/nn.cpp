@@ -411,6 +411,44 @@ void swiglu_bwd(T* ggate, T* gup, const T* gout, const T* gate, const T* up, int
 
 // ---- rotary embedding ----
 
+// One row: o = rotate(xr) by (c, sgn * sn), d / 2 pairs (x1 = xr[:d/2], x2 = xr[d/2:]).
+template <class T>
+inline void rope_row(T* __restrict o, const T* __restrict xr, const compute_t<T>* __restrict c,
+                     const compute_t<T>* __restrict sn, compute_t<T> sgn, int64_t half) {
+  using C = compute_t<T>;
+  alignas(64) C x1b[512], x2b[512];
+  for (int64_t i0 = 0; i0 < half; i0 += 512) {
+    const int64_t len = std::min<int64_t>(512, half - i0);
+    const C* x1 = widen_block(xr + i0, len, x1b);
+    const C* x2 = widen_block(xr + half + i0, len, x2b);
+    if constexpr (std::is_same_v<T, C>) {
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) {
+        const C cc = c[i0 + i], ss = sgn * sn[i0 + i];
+        o[i0 + i] = x1[i] * cc - x2[i] * ss;
+        o[half + i0 + i] = x2[i] * cc + x1[i] * ss;
+      }
+    } else {
+      alignas(64) C o1[512], o2[512];
+      for (int64_t i = 0; i < len; ++i) {
+        const C cc = c[i0 + i], ss = sgn * sn[i0 + i];
+        o1[i] = x1[i] * cc - x2[i] * ss;
+        o2[i] = x2[i] * cc + x1[i] * ss;
+      }
+      narrow_n(o + i0, o1, len);
+      narrow_n(o + half + i0, o2, len);
+    }
+  }
+}
+
+// Rows of out follow the leading index in order (out is contiguous). When x is a transposed
+// view (the model's (B, T, H, D) projection read as (B, H, T, D)), the dim whose rows lie next
+// to each other in x is not the innermost one, and walking rows in out's order reads x with a
+// stride of H·D per row: at sizes past the caches that ran at a third of copy bandwidth. Such a
+// layout is walked in tiles instead: kRopeTile rows along the innermost dim by every index of
+// x's adjacent dim, so x is read in runs of whole tiles and out written in runs of kRopeTile rows.
+constexpr int64_t kRopeTile = 16;
+
 template <class T>
 void rope_fwd(T* out, const T* x, const compute_t<T>* cosp, const compute_t<T>* sinp, const RopeLayout& l,
               bool inverse) {
@@ -418,6 +456,41 @@ void rope_fwd(T* out, const T* x, const compute_t<T>* cosp, const compute_t<T>* 
   int64_t rows = 1;
   for (int k = 0; k < l.ndim; ++k) rows *= l.lead[k];
   const int64_t d = l.d, half = d / 2;
+  const C sgn = inverse ? C(-1) : C(1);
+  const int q = l.ndim - 1;  // out's innermost leading dim
+  int p = q;                 // x's: the smallest stride among dims of more than one index
+  for (int k = 0; k < l.ndim; ++k)
+    if (l.lead[k] > 1 && (p == q || l.x_strides[k] < l.x_strides[p]) && l.x_strides[k] < l.x_strides[q]) p = k;
+  if (q >= 1 && p != q && l.lead[q] > 1) {
+    int64_t out_rows[16];  // rows of out per step of each dim
+    out_rows[q] = 1;
+    for (int k = q - 1; k >= 0; --k) out_rows[k] = out_rows[k + 1] * l.lead[k + 1];
+    const int64_t tiles_q = (l.lead[q] + kRopeTile - 1) / kRopeTile;
+    const int64_t outer = rows / (l.lead[q] * l.lead[p]);  // combinations of the other dims
+    const int64_t per_item = l.lead[p] * kRopeTile * d;    // elements of one work item
+    parallel_range(outer * tiles_q, std::max<int64_t>(1, kGrain / per_item), [&](int64_t b, int64_t e) {
+      for (int64_t item = b; item < e; ++item) {
+        int64_t rem = item / tiles_q, xo = 0, to = 0, oo = 0;
+        for (int k = q - 1; k >= 0; --k) {
+          if (k == p) continue;
+          const int64_t i = rem % l.lead[k];
+          rem /= l.lead[k];
+          xo += i * l.x_strides[k];
+          to += i * l.table_strides[k];
+          oo += i * out_rows[k];
+        }
+        const int64_t t0 = (item % tiles_q) * kRopeTile, t1 = std::min(l.lead[q], t0 + kRopeTile);
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t ip = 0; ip < l.lead[p]; ++ip) {
+            const int64_t xr = xo + ip * l.x_strides[p] + t * l.x_strides[q];
+            const int64_t tr = to + ip * l.table_strides[p] + t * l.table_strides[q];
+            const int64_t orow = oo + ip * out_rows[p] + t;
+            rope_row(out + orow * d, x + xr, cosp + tr, sinp + tr, sgn, half);
+          }
+      }
+    });
+    return;
+  }
   parallel_range(rows, row_grain(d), [&](int64_t b, int64_t e) {
     // Leading index of row b, then stepped like an odometer (no division per row).
     int64_t idx[16] = {};
@@ -431,35 +504,8 @@ void rope_fwd(T* out, const T* x, const compute_t<T>* cosp, const compute_t<T>* 
         to += idx[k] * l.table_strides[k];
       }
     }
-    alignas(64) C x1b[512], x2b[512];
-    const C sgn = inverse ? C(-1) : C(1);
     for (int64_t r = b; r < e; ++r) {
-      const T* __restrict xr = x + xo;
-      T* __restrict o = out + r * d;
-      const C* __restrict c = cosp + to;
-      const C* __restrict sn = sinp + to;
-      for (int64_t i0 = 0; i0 < half; i0 += 512) {
-        const int64_t len = std::min<int64_t>(512, half - i0);
-        const C* x1 = widen_block(xr + i0, len, x1b);
-        const C* x2 = widen_block(xr + half + i0, len, x2b);
-        if constexpr (std::is_same_v<T, C>) {
-#pragma omp simd
-          for (int64_t i = 0; i < len; ++i) {
-            const C cc = c[i0 + i], ss = sgn * sn[i0 + i];
-            o[i0 + i] = x1[i] * cc - x2[i] * ss;
-            o[half + i0 + i] = x2[i] * cc + x1[i] * ss;
-          }
-        } else {
-          alignas(64) C o1[512], o2[512];
-          for (int64_t i = 0; i < len; ++i) {
-            const C cc = c[i0 + i], ss = sgn * sn[i0 + i];
-            o1[i] = x1[i] * cc - x2[i] * ss;
-            o2[i] = x2[i] * cc + x1[i] * ss;
-          }
-          narrow_n(o + i0, o1, len);
-          narrow_n(o + half + i0, o2, len);
-        }
-      }
+      rope_row(out + r * d, x + xo, cosp + to, sinp + to, sgn, half);
       for (int k = l.ndim - 1; k >= 0; --k) {
         xo += l.x_strides[k];
         to += l.table_strides[k];

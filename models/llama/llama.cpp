@@ -164,6 +164,17 @@ bool LlamaConfig::is_sparse_layer(int64_t layer) const {
   return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
 }
 
+double LlamaConfig::layer_macs_per_token(int64_t layer, int64_t seq_len) const {
+  const double h = double(hidden_size), q = double(num_attention_heads * head_dim),
+               kv = double(num_key_value_heads * head_dim);
+  const double attention = h * (q + 2 * kv) + q * h + 2 * q * double(seq_len) / 2;  // causal: half the scores
+  double mlp = 3 * h * double(intermediate_size);
+  if (is_sparse_layer(layer))
+    mlp = h * double(num_experts) +
+          3 * h * double(moe_intermediate_size) * double(num_experts_per_tok + n_shared_experts);
+  return attention + mlp;
+}
+
 MoeOptions LlamaConfig::moe_options() const {
   MoeOptions o;
   o.hidden_size = hidden_size;

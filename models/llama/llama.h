@@ -75,6 +75,12 @@ struct LlamaConfig {
   bool is_sparse_layer(int64_t layer) const;
   /// The options of this config's MoE blocks.
   MoeOptions moe_options() const;
+  /// Multiply-accumulates per token in decoder layer `layer`'s forward: the attention
+  /// projections, causal attention over seq_len, and the MLP (or the router, the k routed
+  /// experts a token visits and the shared ones). The pipeline split weighs stages by it.
+  double layer_macs_per_token(int64_t layer, int64_t seq_len) const;
+  /// The same for the lm_head (the final norm and the embedding lookup cost next to nothing).
+  double head_macs_per_token() const { return double(hidden_size) * double(vocab_size); }
 
   /// Parses HF config.json text; unknown fields are ignored, missing ones keep defaults.
   static LlamaConfig from_json(const std::string& text);

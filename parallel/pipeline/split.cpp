@@ -2,6 +2,7 @@
 #include "parallel/pipeline/split.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "engine/error.h"
 
@@ -29,6 +30,17 @@ std::vector<StageSpan> split_layers(int64_t num_layers, int64_t num_stages, int6
     unit = end;
   }
   return out;
+}
+
+PseudoLayerWeights pseudo_layer_weights(int64_t num_layers, int64_t num_stages, double input_cost,
+                                        double output_cost) {
+  QUILT_CHECK(std::isfinite(input_cost) && std::isfinite(output_cost) && input_cost >= 0 && output_cost >= 0,
+              "[pipeline] the embedding and head costs must be finite and >= 0, not ", input_cost, " and ",
+              output_cost);
+  PseudoLayerWeights w{std::llround(input_cost), std::llround(output_cost)};
+  if (num_layers + w.input + w.output < num_stages) w.output = std::max<int64_t>(w.output, 1);
+  if (num_layers + w.input + w.output < num_stages) w.input = std::max<int64_t>(w.input, 1);
+  return w;
 }
 
 }  // namespace quilt::pipeline

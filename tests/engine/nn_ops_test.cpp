@@ -746,15 +746,25 @@ TEST_CASE("nn ops: fused rotary_embedding matches the reference for strided q, b
                  .ref = [](const R& r) { return R{rotary_ref(r[0], r[1], r[2])}; }});
   }
   // q as the model makes it: a (B, T, H, D) projection viewed as (B, H, T, D); fused == composite.
-  Tensor q = randn({2, 6, 4, 8}, RngKey(5, "q")).transpose(1, 2);
-  Tensor c = randn({6, 4}, RngKey(5, "c")), sn = randn({6, 4}, RngKey(5, "s"));
-  Tensor cg = c.detach().set_requires_grad(), sg = sn.detach().set_requires_grad();  // forces the composite
-  const Tensor fused = rotary_embedding(q, c, sn), composite = rotary_embedding(q, cg, sg);
-  CHECK(fused.is_contiguous());
-  const std::vector<double> a = fused.to_vector(), b = composite.to_vector();
-  REQUIRE(a.size() == b.size());
-  // (a few f32 ulps: the composite rounds each product before the sum)
-  for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == doctest::Approx(b[i]).epsilon(1e-5).scale(1e-5));
+  // The kernel walks such a view in tiles of 16 positions by every head: T 6 is one partial
+  // tile, T 37 two whole ones and a partial one, in f32 and bf16.
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    for (const int64_t t : {6, 37}) {
+      CAPTURE(t);
+      Tensor q = randn({2, t, 3, 8}, RngKey(5, "q")).to(dt).transpose(1, 2);
+      Tensor c = randn({t, 4}, RngKey(5, "c")), sn = randn({t, 4}, RngKey(5, "s"));
+      // (the composite in f32, its tables rounded to q's dtype as the fused op rounds them)
+      Tensor cg = c.to(dt).to(DType::f32).set_requires_grad(), sg = sn.to(dt).to(DType::f32).set_requires_grad();
+      const Tensor fused = rotary_embedding(q, c, sn), composite = rotary_embedding(q.to(DType::f32), cg, sg);
+      CHECK(fused.is_contiguous());
+      const std::vector<double> a = fused.to_vector(), b = composite.to_vector();
+      REQUIRE(a.size() == b.size());
+      // (a few f32 ulps of the products, which the composite rounds before the sum; bf16 rounds
+      // the result once: half a bf16 ulp)
+      const double eps = dt == DType::f32 ? 1e-6 : 4e-3;
+      for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == doctest::Approx(b[i]).epsilon(eps).scale(1.0));
+    }
+  }
 }
 
 TEST_CASE("nn ops: fused rotary_embedding's backward (the inverse rotation) is itself differentiable") {

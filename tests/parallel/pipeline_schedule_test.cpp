@@ -1,5 +1,6 @@
 // Pipeline schedules: hand-derived grids, every generator validated and dry-run after lowering,
-// CSV and text round trips, the errors a broken schedule or a bad micro-batch count raise.
+// CSV and text round trips, the errors a broken schedule or a bad micro-batch count raise; the
+// stage split and its cost weights.
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -8,6 +9,7 @@
 #include "engine/error.h"
 #include "parallel/parallel_dims.h"
 #include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/split.h"
 
 using namespace quilt;
 using namespace quilt::pipeline;
@@ -231,4 +233,48 @@ TEST_CASE("pipeline schedule: zero_bubble and v_schedule idle less than 1f1b at 
     CHECK(bubble_fraction(v_schedule(4, m)) < one_f);
     CHECK(bubble_fraction(interleaved_1f1b(4, m)) < one_f);
   }
+}
+
+namespace {
+// A split as "emb[0,2) [2,4) [4,5) [5,6)head".
+std::string spans_text(const std::vector<StageSpan>& spans) {
+  std::string out;
+  for (const StageSpan& sp : spans) {
+    if (!out.empty()) out += ' ';
+    out += (sp.embed ? "emb[" : "[") + std::to_string(sp.first_layer) + "," + std::to_string(sp.end_layer) + ")" +
+           (sp.head ? "head" : "");
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("pipeline split: layers spread evenly with the embedding and head as weighted pseudo-layers") {
+  CHECK(spans_text(split_layers(4, 2)) == "emb[0,2) [2,4)head");
+  CHECK(spans_text(split_layers(8, 4)) == "emb[0,2) [2,5) [5,7) [7,8)head");
+  // Six layers over four stages (v_schedule at pp 2): weights 1 and 1 put layers 0 and 5, the
+  // embedding and the head on rank 0 (stages 0 and 3) and four layers on rank 1; weights 0 and 0
+  // give each rank three.
+  CHECK(spans_text(split_layers(6, 4, 1, 1)) == "emb[0,1) [1,3) [3,5) [5,6)head");
+  CHECK(spans_text(split_layers(6, 4, 0, 0)) == "emb[0,2) [2,4) [4,5) [5,6)head");
+  CHECK(spans_text(split_layers(2, 4, 1, 1)) == "emb[0,0) [0,1) [1,2) [2,2)head");
+  CHECK(spans_text(split_layers(4, 2, 0, 2)) == "emb[0,3) [3,4)head");
+  CHECK_THROWS_WITH_AS(split_layers(2, 4, 0, 0),
+                       doctest::Contains("2 layers (with the embedding as 0 and the head as 0) do not fill 4 stages: "
+                                         "stage 2 would hold nothing"),
+                       Error);
+}
+
+TEST_CASE("pipeline split: the pseudo-layer weights are the costs rounded, raised to 1 where stages would be empty") {
+  const auto w = [](int64_t layers, int64_t stages, double in, double out) {
+    const PseudoLayerWeights x = pseudo_layer_weights(layers, stages, in, out);
+    return std::to_string(x.input) + "," + std::to_string(x.output);
+  };
+  CHECK(w(6, 4, 0.0, 0.2) == "0,0");
+  CHECK(w(6, 4, 0.0, 0.6) == "0,1");
+  CHECK(w(16, 4, 0.0, 2.3) == "0,2");
+  CHECK(w(3, 4, 0.0, 0.2) == "0,1");
+  CHECK(w(2, 4, 0.0, 0.2) == "1,1");
+  CHECK(w(2, 4, 0.0, 3.0) == "0,3");
+  CHECK_THROWS_WITH_AS(pseudo_layer_weights(4, 2, -1.0, 0.0), doctest::Contains("must be finite and >= 0, not -1"),
+                       Error);
 }
