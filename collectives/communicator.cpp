@@ -649,6 +649,7 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
   c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_to_all_single");
   c.in_counts = std::move(ic);
   c.out_counts = std::move(oc);
+  c.even_splits = out_splits.empty() && in_splits.empty();
   if (signs()) c.sig = make_signature(c, in, true);
   return launch(std::move(c), std::move(back), async_op);
 }

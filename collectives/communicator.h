@@ -142,7 +142,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                         ReduceOp op = ReduceOp::sum, bool async_op = false);
   /// All-to-all along dim 0 (the MoE token exchange): this rank sends in_splits[j] rows of `in`
   /// (in order) to rank j and receives out_splits[j] rows from rank j into `out` (in order).
-  /// Empty split lists mean equal splits (the dim must then divide by size()).
+  /// Empty split lists mean equal splits (the dim must then divide by size()); a call without
+  /// splits must be made without them on every rank (as the MoE count exchange does), since the
+  /// MPI backend then runs MPI_Alltoall, cheaper than MPI_Alltoallv for small blocks.
   Work all_to_all_single(const Tensor& out, const Tensor& in, const std::vector<int64_t>& out_splits = {},
                          const std::vector<int64_t>& in_splits = {}, bool async_op = false);
   /// Returns once every rank has called it.

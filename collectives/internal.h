@@ -116,6 +116,7 @@ struct OpCall {
   std::vector<int64_t> in_counts;    // elements sent to each rank (all_to_all), per-rank sizes of v forms
                                      // (empty for all_gather and reduce_scatter: equal sizes)
   std::vector<int64_t> out_counts;   // elements received from each rank (all_to_all)
+  bool even_splits = false;          // all_to_all called without splits (every rank does): one block size
   std::vector<P2PItem> p2p;          // send, recv, batch_p2p
   int color = -1, key = 0;           // split
   bool async = false;

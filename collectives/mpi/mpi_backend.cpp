@@ -423,10 +423,16 @@ class MpiCommunicator final : public Communicator {
         break;
       }
       case OpKind::all_to_all: {
-        // Always the vector form: whether every block has one size is a per-rank fact (a rank
-        // that sends and receives nothing sees "all equal"), and MPI_Alltoall on some ranks with
-        // MPI_Alltoallv on others never completes. Counts and displacements live on the stack
-        // up to 64 ranks (the MoE count exchange calls this every layer and step).
+        // A call without splits (made so on every rank, the API's contract) is MPI_Alltoall.
+        // Otherwise the vector form, even where this rank's splits happen to be equal: that is a
+        // per-rank fact (a rank that sends and receives nothing sees "all equal"), and
+        // MPI_Alltoall on some ranks with MPI_Alltoallv on others never completes. Counts and
+        // displacements live on the stack up to 64 ranks.
+        if (c.even_splits) {
+          QUILT_CHECK_MPI(MPI_Alltoall(in, to_count(c.in_counts.at(0), d), type, out, to_count(c.out_counts.at(0), d),
+                                       type, comm_));
+          break;
+        }
         const size_t n = c.in_counts.size();
         CountBuf sc(n), rc(n), sd(n), rd(n);
         int64_t sat = 0, rat = 0;
