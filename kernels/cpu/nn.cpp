@@ -271,23 +271,36 @@ void rms_bwd(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, cons
   std::vector<C> part(size_t(gw ? nb * cols : 0), C(0));
   parallel_range(nb, 1, [&](int64_t b0, int64_t b1) {
     S s(cols);
-    std::vector<C> wbuf(size_t(w ? cols : 0)), wg(static_cast<size_t>(cols)), hb(size_t(gh ? cols : 0));
+    std::vector<C> wbuf(size_t(cols), C(1)), hb(size_t(gh ? cols : 0));
     for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = C(w[i]);
+    const C* __restrict wp = wbuf.data();  // ones without a weight
+    // Two passes over a row: the dot product g·w·x, then grad_x (and the weight gradient's
+    // partial sum) from the same loads, so w·g is never stored.
     for (int64_t blk = b0; blk < b1; ++blk) {
+      C* __restrict pp = gw ? part.data() + blk * cols : nullptr;
       for (int64_t r = block_begin(rows, nb, blk); r < block_begin(rows, nb, blk + 1); ++r) {
-        CArr<C> gg(S::load(g + r * cols, cols, s.a), cols);
-        CArr<C> xx(S::load(x + r * cols, cols, s.b), cols);
-        Arr<C> wgr(wg.data(), cols);
-        if (w) wgr = gg * CArr<C>(wbuf.data(), cols);
-        else wgr = gg;
+        const C* __restrict gp = S::load(g + r * cols, cols, s.a);
+        const C* __restrict xp = S::load(x + r * cols, cols, s.b);
+        const C* __restrict hp = gh ? S::load(gh + r * cols, cols, hb) : nullptr;
         const C rs = rstd[r];
-        const C dot = (wgr * xx).sum();
+        C dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < cols; ++i) dot += gp[i] * wp[i] * xp[i];
+        const C k = rs * rs * rs * dot / C(cols);
         T* orow = gx + r * cols;
-        Arr<C> o(S::target(orow, s.c), cols);
-        if (gh) o = rs * wgr - (rs * rs * rs * dot / C(cols)) * xx + CArr<C>(S::load(gh + r * cols, cols, hb), cols);
-        else o = rs * wgr - (rs * rs * rs * dot / C(cols)) * xx;
-        S::store(orow, o.data(), cols);
-        if (gw) Arr<C>(part.data() + blk * cols, cols) += gg * xx * rs;
+        C* __restrict op = S::target(orow, s.c);
+        if (hp) {
+#pragma omp simd
+          for (int64_t i = 0; i < cols; ++i) op[i] = rs * (gp[i] * wp[i]) - k * xp[i] + hp[i];
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < cols; ++i) op[i] = rs * (gp[i] * wp[i]) - k * xp[i];
+        }
+        if (pp) {
+#pragma omp simd
+          for (int64_t i = 0; i < cols; ++i) pp[i] += gp[i] * xp[i] * rs;
+        }
+        S::store(orow, op, cols);
       }
     }
   });
