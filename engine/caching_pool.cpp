@@ -16,16 +16,20 @@ struct CachingPool::Block {
   char* ptr = nullptr;
   size_t size = 0;
   void* stream = nullptr;  // the stream that may use it without waiting
+  int pool = 0;            // 0: the general pool; otherwise a graph's private pool
   bool small = false;
   bool allocated = false;
+  bool held = false;       // freed but not yet reusable (in held_ or deferred_)
+  std::vector<void*> uses;  // other streams that used it (record_stream)
   Block* prev = nullptr;
   Block* next = nullptr;
   // Recorded on `stream` when the block was freed: another stream may take the block only
   // after all of them completed (the freeing stream's kernels may still read or write it).
-  std::vector<EventRef> events;
+  std::vector<StreamEvent> events;
 };
 
 bool CachingPool::BySize::operator()(const Block* a, const Block* b) const {
+  if (a->pool != b->pool) return a->pool < b->pool;
   if (a->stream != b->stream) return std::less<void*>()(a->stream, b->stream);
   if (a->size != b->size) return a->size < b->size;
   return std::less<char*>()(a->ptr, b->ptr);
@@ -57,6 +61,10 @@ CachingPool::~CachingPool() {
   }
   for (auto& [ptr, b] : live_) delete b;
   live_.clear();
+  for (Held& h : held_) delete h.block;
+  held_.clear();
+  for (Block* b : deferred_) delete b;
+  deferred_.clear();
   for (auto& [base, bytes] : segments_) backend_.free(base);
   segments_.clear();
   for (void* ev : free_events_) backend_.event_destroy(ev);
@@ -70,18 +78,23 @@ void* CachingPool::allocate(size_t bytes, void* stream) {
   const size_t size = round_size(bytes);
   const bool small = size <= kSmallLimit;
   std::lock_guard<std::mutex> lock(mu_);
+  const auto cap = captures_.find(stream);
+  const int pool = cap == captures_.end() ? 0 : cap->second;
+  const bool capturing = !captures_.empty();  // then no event may be queried
+  if (!capturing) process_held();
   FreeSet& set = small ? small_free_ : large_free_;
-  Block* b = find_free(set, size, stream);
-  if (!b) b = find_free_other_stream(set, size, stream);
+  Block* b = find_free(set, size, stream, pool);
+  if (!b && !capturing) b = find_free_other_stream(set, size, stream, pool);
   if (b) {
     set.erase(b);
     b->stream = stream;
   } else {
-    b = new_segment(size, small, stream, bytes);
+    b = new_segment(size, small, stream, bytes, pool);
   }
   Block* rest = split(b, size);
   if (rest) set.insert(rest);
   b->events.clear();  // after split(): the remainder keeps the free-time events it still needs
+  b->uses.clear();
   b->allocated = true;
   live_[b->ptr] = b;
   stats_.allocated += int64_t(b->size);
@@ -100,12 +113,136 @@ void CachingPool::deallocate(void* ptr) {
   live_.erase(it);
   b->allocated = false;
   stats_.allocated -= int64_t(b->size);
-  b->events.push_back(record_event(b->stream));
-  merge_free(b);
+  if (!captures_.empty()) {
+    // A private block freed on the stream capturing into its pool needs no event: the graph
+    // replays in stream order, and only that capture allocates from the pool. Anything else
+    // would record an event into the capture: it waits until no capture runs.
+    const auto cap = captures_.find(b->stream);
+    if (b->pool != 0 && cap != captures_.end() && cap->second == b->pool && b->uses.empty()) {
+      merge_free(b, false);
+    } else {
+      b->held = true;
+      deferred_.push_back(b);
+    }
+    return;
+  }
+  free_block(b);
+}
+
+void CachingPool::record_stream(void* ptr, void* stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(ptr);
+  QUILT_CHECK(it != live_.end(), "[cuda allocator] ", name_, ": record_stream on pointer ", ptr,
+              " that is not a live block of this allocator");
+  Block* b = it->second;
+  if (stream == b->stream) return;
+  if (std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) b->uses.push_back(stream);
+}
+
+int CachingPool::begin_capture(void* stream, int pool) {
+  std::lock_guard<std::mutex> lock(mu_);
+  QUILT_CHECK(!captures_.count(stream), "[cuda allocator] ", name_, ": stream ", stream,
+              " is already capturing a graph");
+  QUILT_CHECK(pool >= 0 && pool < next_pool_, "[cuda allocator] ", name_, ": no private pool ", pool,
+              " (pools so far: 1..", next_pool_ - 1, ")");
+  if (pool == 0) pool = next_pool_++;
+  captures_[stream] = pool;
+  return pool;
+}
+
+void CachingPool::end_capture(void* stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  QUILT_CHECK(captures_.erase(stream) == 1, "[cuda allocator] ", name_, ": end_capture on stream ", stream,
+              " that is not capturing");
+  if (!captures_.empty()) return;
+  std::vector<Block*> deferred = std::move(deferred_);
+  deferred_.clear();
+  for (Block* b : deferred) {
+    b->held = false;
+    free_block(b);
+  }
+}
+
+void CachingPool::release_pool(int pool, void* replay_stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  QUILT_CHECK(pool > 0, "[cuda allocator] ", name_, ": release_pool(", pool, "): the general pool is not a graph's");
+  for (auto& [stream, p] : captures_)
+    QUILT_CHECK(p != pool, "[cuda allocator] ", name_, ": release_pool(", pool, ") while stream ", stream,
+                " still captures into it");
+  // Take the pool's free blocks out of the sets (their order depends on the pool), re-tag every
+  // block of the pool, and put the free ones back behind the last replay.
+  std::vector<Block*> free_blocks;
+  for (FreeSet* set : {&small_free_, &large_free_})
+    for (auto it = set->begin(); it != set->end();)
+      if ((*it)->pool == pool) {
+        free_blocks.push_back(*it);
+        it = set->erase(it);
+      } else {
+        ++it;
+      }
+  for (auto& [ptr, b] : live_)
+    if (b->pool == pool) b->pool = 0;
+  for (Held& h : held_)
+    if (h.block->pool == pool) h.block->pool = 0;
+  for (Block* b : deferred_)
+    if (b->pool == pool) b->pool = 0;
+  if (free_blocks.empty()) return;
+  const StreamEvent replayed{record_event(replay_stream), replay_stream};
+  for (Block* b : free_blocks) {
+    b->pool = 0;
+    b->events.push_back(replayed);
+    (b->small ? small_free_ : large_free_).insert(b);
+  }
+}
+
+bool CachingPool::capture_underway() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !captures_.empty();
+}
+
+size_t CachingPool::held_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_.size() + deferred_.size();
+}
+
+// The free of `b` outside a capture: an event on its stream gates other streams; the streams
+// that also used it hold it back from every stream until their events complete.
+void CachingPool::free_block(Block* b) {
+  b->events.push_back({record_event(b->stream), b->stream});
+  if (b->uses.empty()) {
+    merge_free(b, true);
+    return;
+  }
+  Held h{b, {}};
+  for (void* s : b->uses) h.events.push_back(record_event(s));
+  b->uses.clear();
+  b->held = true;
+  held_.push_back(std::move(h));
+}
+
+// Held blocks whose other streams have finished with them enter the cache.
+void CachingPool::process_held() {
+  for (size_t i = 0; i < held_.size();) {
+    if (events_done(held_[i].events)) {
+      Block* b = held_[i].block;
+      held_[i] = std::move(held_.back());
+      held_.pop_back();
+      b->held = false;
+      b->events.push_back({record_event(b->stream), b->stream});  // now the last of its stream
+      merge_free(b, true);
+    } else {
+      ++i;
+    }
+  }
 }
 
 void CachingPool::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
+  QUILT_CHECK(captures_.empty(), "[cuda allocator] ", name_,
+              ": empty_cache() during a graph capture (memory cannot go back to the device while one runs)");
+  for (Held& h : held_)
+    for (const EventRef& e : h.events) backend_.event_synchronize(e.get());
+  process_held();
   release_cached();
 }
 
@@ -130,38 +267,49 @@ size_t CachingPool::segment_count() const {
 }
 
 // Smallest free block of `stream` with at least `size` bytes.
-CachingPool::Block* CachingPool::find_free(FreeSet& set, size_t size, void* stream) {
+CachingPool::Block* CachingPool::find_free(FreeSet& set, size_t size, void* stream, int pool) {
   Block key;
+  key.pool = pool;
   key.stream = stream;
   key.size = size;
   auto it = set.lower_bound(&key);
-  if (it == set.end() || (*it)->stream != stream) return nullptr;
+  if (it == set.end() || (*it)->stream != stream || (*it)->pool != pool) return nullptr;
   return *it;
 }
 
 // Smallest free block of another stream whose free-time events have all completed.
-CachingPool::Block* CachingPool::find_free_other_stream(FreeSet& set, size_t size, void* stream) {
+CachingPool::Block* CachingPool::find_free_other_stream(FreeSet& set, size_t size, void* stream, int pool) {
   std::vector<Block*> fits;
   for (Block* b : set)
-    if (b->stream != stream && b->size >= size) fits.push_back(b);
+    if (b->pool == pool && b->stream != stream && b->size >= size) fits.push_back(b);
   std::sort(fits.begin(), fits.end(), [](const Block* a, const Block* b) {
     return a->size != b->size ? a->size < b->size : std::less<char*>()(a->ptr, b->ptr);
   });
   for (Block* b : fits)
-    if (events_done(b)) return b;
+    if (events_done(b->events)) return b;
   return nullptr;
 }
 
-bool CachingPool::events_done(Block* b) {
-  auto& ev = b->events;
+bool CachingPool::events_done(std::vector<StreamEvent>& ev) {
+  ev.erase(std::remove_if(ev.begin(), ev.end(),
+                          [&](const StreamEvent& e) { return backend_.event_query(e.event.get()); }),
+           ev.end());
+  return ev.empty();
+}
+
+bool CachingPool::events_done(std::vector<EventRef>& ev) {
   ev.erase(std::remove_if(ev.begin(), ev.end(), [&](const EventRef& e) { return backend_.event_query(e.get()); }),
            ev.end());
   return ev.empty();
 }
 
-CachingPool::Block* CachingPool::new_segment(size_t size, bool small, void* stream, size_t request) {
+CachingPool::Block* CachingPool::new_segment(size_t size, bool small, void* stream, size_t request, int pool) {
   const size_t seg = small ? kSmallSegment : round_up(size, kLargeRound);
   void* p = backend_.malloc(seg);
+  if (!p && !captures_.empty())
+    fail("[cuda allocator] out of memory on ", name_, " allocating ", human(int64_t(request)), " (", request,
+         " bytes, segment of ", seg, " bytes) during a graph capture, when cached blocks cannot go back to the "
+         "device: ", describe());
   if (!p) {  // out of memory: give the cache back to the device and try once more
     release_cached();
     p = backend_.malloc(seg);
@@ -177,6 +325,7 @@ CachingPool::Block* CachingPool::new_segment(size_t size, bool small, void* stre
   b->size = seg;
   b->stream = stream;
   b->small = small;
+  b->pool = pool;
   return b;
 }
 
@@ -189,6 +338,7 @@ CachingPool::Block* CachingPool::split(Block* b, size_t size) {
   r->size = rest;
   r->stream = b->stream;
   r->small = b->small;
+  r->pool = b->pool;
   r->events = b->events;
   r->prev = b;
   r->next = b->next;
@@ -199,10 +349,12 @@ CachingPool::Block* CachingPool::split(Block* b, size_t size) {
 }
 
 // Inserts the freed block `b` into its free set, merged with free neighbours of its stream.
-void CachingPool::merge_free(Block* b) {
+// `fresh`: b's last event was just recorded on its stream, so it covers the neighbours' events
+// of that stream (recorded earlier); their events of other streams (a replay) are kept.
+void CachingPool::merge_free(Block* b, bool fresh) {
   FreeSet& set = b->small ? small_free_ : large_free_;
   for (Block* n : {b->prev, b->next}) {
-    if (!n || n->allocated || n->stream != b->stream) continue;
+    if (!n || n->allocated || n->held || n->stream != b->stream) continue;
     set.erase(n);
     if (n == b->prev) {
       b->ptr = n->ptr;
@@ -213,7 +365,9 @@ void CachingPool::merge_free(Block* b) {
       if (b->next) b->next->prev = b;
     }
     b->size += n->size;
-    delete n;  // n's events were recorded earlier on the same stream: b's fresh event covers them
+    for (StreamEvent& e : n->events)
+      if (!fresh || e.stream != b->stream) b->events.push_back(std::move(e));
+    delete n;
   }
   set.insert(b);
 }
@@ -227,12 +381,12 @@ void CachingPool::release_cached() {
       if (!b->prev) heads.push_back(b);
   for (Block* head : heads) {
     bool all_free = true;
-    for (Block* b = head; b && all_free; b = b->next) all_free = !b->allocated;
+    for (Block* b = head; b && all_free; b = b->next) all_free = !b->allocated && !b->held;
     if (!all_free) continue;
     FreeSet& set = head->small ? small_free_ : large_free_;
     char* const base = head->ptr;
     for (Block* b = head; b;) {
-      for (const EventRef& e : b->events) backend_.event_synchronize(e.get());
+      for (const StreamEvent& e : b->events) backend_.event_synchronize(e.event.get());
       set.erase(b);
       Block* n = b->next;
       delete b;

@@ -8,6 +8,13 @@
 // time has completed. Neighbouring free blocks of one segment and stream merge again. When the
 // device is out of memory the pool returns its cached segments and retries once.
 //
+// A block handed to another stream (record_stream) is reused, on any stream, only after the
+// work queued on every stream that used it up to the free has completed. While a CUDA graph
+// is captured, requests on the capturing stream come from a private pool that the graph keeps
+// (its replays write the same addresses), and the pool queries no event and returns no memory
+// to the device: both are illegal during a capture. Frees that would record an event then wait
+// until the last capture ends.
+//
 //   CachingPool pool(backend, "cuda:0");
 //   void* p = pool.allocate(1000, stream);   // a 1024 B block of a new 2 MiB segment
 //   pool.deallocate(p);                       // cached: the next small request on `stream` reuses it
@@ -65,6 +72,26 @@ class CachingPool {
   void* allocate(size_t bytes, void* stream);
   /// Returns a block from allocate() to the cache (nullptr is ignored).
   void deallocate(void* ptr);
+  /// Marks the live block at `ptr` as used on `stream` too (a collective on the communication
+  /// stream reading a tensor of the compute stream): once freed, it is reused only after the
+  /// work queued on `stream` up to the free has completed. The block's own stream is ignored.
+  void record_stream(void* ptr, void* stream);
+
+  /// Starts a graph capture on `stream`: until end_capture(stream), its requests come from the
+  /// private pool `pool` (a new one when 0). Returns the pool's id, which a later capture may
+  /// pass to share the pool. Throws when `stream` is already capturing.
+  int begin_capture(void* stream, int pool = 0);
+  /// Ends the capture on `stream`; when it was the last one, the frees deferred during captures
+  /// record their events and enter the cache.
+  void end_capture(void* stream);
+  /// The graph of private pool `pool` is gone; its last replay ran on `replay_stream`. Its blocks
+  /// join the general pool: the free ones at once (other streams after that replay), the live
+  /// ones when freed. Throws while a capture uses the pool.
+  void release_pool(int pool, void* replay_stream);
+  /// True while any capture runs on this pool.
+  bool capture_underway() const;
+  /// Freed blocks not yet reusable: waiting for another stream's events, or for a capture to end.
+  size_t held_count() const;
   /// Returns every fully free segment to the backend (waiting for their free-time events).
   void empty_cache();
   /// Byte and call counters.
@@ -86,12 +113,24 @@ class CachingPool {
   };
   using FreeSet = std::set<Block*, BySize>;
 
-  Block* find_free(FreeSet& set, size_t size, void* stream);
-  Block* find_free_other_stream(FreeSet& set, size_t size, void* stream);
-  bool events_done(Block* b);
-  Block* new_segment(size_t size, bool small, void* stream, size_t request);
+  struct StreamEvent {  // an event and the stream it was recorded on
+    EventRef event;
+    void* stream;
+  };
+  struct Held {  // a freed block waiting for the events of the other streams that used it
+    Block* block;
+    std::vector<EventRef> events;
+  };
+
+  Block* find_free(FreeSet& set, size_t size, void* stream, int pool);
+  Block* find_free_other_stream(FreeSet& set, size_t size, void* stream, int pool);
+  bool events_done(std::vector<EventRef>& events);
+  bool events_done(std::vector<StreamEvent>& events);
+  Block* new_segment(size_t size, bool small, void* stream, size_t request, int pool);
   Block* split(Block* b, size_t size);
-  void merge_free(Block* b);
+  void free_block(Block* b);
+  void merge_free(Block* b, bool fresh);
+  void process_held();
   void release_cached();
   EventRef record_event(void* stream);
   std::string describe() const;
@@ -103,6 +142,10 @@ class CachingPool {
   std::unordered_map<void*, Block*> live_;     // allocated blocks by address
   std::unordered_map<void*, size_t> segments_;  // bytes of each segment by base address
   std::vector<void*> free_events_;
+  std::vector<Held> held_;          // freed, waiting for other streams' events
+  std::vector<Block*> deferred_;    // freed during a capture, to be freed when none runs
+  std::unordered_map<void*, int> captures_;  // capturing stream -> its private pool
+  int next_pool_ = 1;
   MemoryStats stats_;
 };
 

@@ -1,6 +1,7 @@
 // The caching pool behind the CUDA allocator, on a fake device: rounding, segments, reuse on
 // the same stream, cross-stream reuse gated by free-time events, splitting, merging,
-// empty_cache, the out-of-memory retry and the counters. Runs in every build.
+// empty_cache, the out-of-memory retry, the counters, record_stream and graph-capture pools.
+// Runs in every build.
 #include <doctest/doctest.h>
 
 #include <map>
@@ -26,7 +27,7 @@ class FakeDevice final : public PoolBackend {
   }
 
   void* malloc(size_t bytes) override {
-    ++malloc_calls;
+    ++malloc_calls;  // cudaMalloc is legal during a capture
     if (used_ + bytes > capacity_) return nullptr;
     used_ += bytes;
     char* p = reinterpret_cast<char*>(next_);
@@ -35,6 +36,7 @@ class FakeDevice final : public PoolBackend {
     return p;
   }
   void free(void* ptr) override {
+    REQUIRE_MESSAGE(!capturing, "cudaFree during a graph capture");
     auto it = live_.find(static_cast<char*>(ptr));
     REQUIRE_MESSAGE(it != live_.end(), "pool freed memory the fake device never handed out");
     used_ -= it->second;
@@ -51,9 +53,16 @@ class FakeDevice final : public PoolBackend {
     events_.erase(ev);
     delete static_cast<int*>(ev);
   }
-  void event_record(void* ev, void* stream) override { events_[ev] = {stream, false}; }
-  bool event_query(void* ev) override { return events_[ev].done; }
+  void event_record(void* ev, void* stream) override {
+    REQUIRE_MESSAGE(!capturing, "an event recorded into a graph capture");
+    events_[ev] = {stream, false};
+  }
+  bool event_query(void* ev) override {
+    REQUIRE_MESSAGE(!capturing, "cudaEventQuery during a graph capture");
+    return events_[ev].done;
+  }
   void event_synchronize(void* ev) override {
+    REQUIRE_MESSAGE(!capturing, "cudaEventSynchronize during a graph capture");
     events_[ev].done = true;
     ++syncs;
   }
@@ -67,6 +76,7 @@ class FakeDevice final : public PoolBackend {
   size_t live_segments() const { return live_.size(); }
 
   int malloc_calls = 0, free_calls = 0, events_created = 0, syncs = 0;
+  bool capturing = false;  // set by the test around a capture: the calls CUDA forbids then fail it
 
  private:
   struct EventState {
@@ -81,6 +91,7 @@ class FakeDevice final : public PoolBackend {
 
 void* const kStreamA = reinterpret_cast<void*>(0xA);
 void* const kStreamB = reinterpret_cast<void*>(0xB);
+void* const kStreamC = reinterpret_cast<void*>(0xC);
 
 }  // namespace
 
@@ -310,6 +321,7 @@ TEST_CASE("caching pool: random allocations on two streams never overlap and the
         REQUIRE(before->first + before->second <= p);
       }
       live[p] = bytes;
+      if (next() % 11 == 0) pool.record_stream(p, stream == kStreamA ? kStreamB : kStreamA);
     } else {
       auto it = live.begin();
       std::advance(it, long(next() % live.size()));
@@ -332,4 +344,150 @@ TEST_CASE("caching pool: random allocations on two streams never overlap and the
   pool.empty_cache();
   CHECK(pool.stats().reserved == 0);
   CHECK(dev.used() == 0);
+}
+
+TEST_CASE("caching pool: a block recorded on another stream waits for that stream, even on its own") {
+  FakeDevice dev(64 * kMiB);
+  CachingPool pool(dev, "fake:0");
+  void* a = pool.allocate(5 * kMiB, kStreamA);
+  pool.record_stream(a, kStreamB);  // a collective on B reads it
+  pool.record_stream(a, kStreamB);  // recorded once
+  pool.record_stream(a, kStreamA);  // its own stream: nothing to do
+  pool.deallocate(a);
+  CHECK(pool.held_count() == 1);
+  void* b = pool.allocate(5 * kMiB, kStreamA);  // B may still read a: not even A may take it
+  CHECK(b != a);
+  dev.finish(kStreamA);
+  void* c = pool.allocate(5 * kMiB, kStreamA);
+  CHECK(c != a);
+  CHECK(pool.held_count() == 1);
+  dev.finish(kStreamB);
+  void* d = pool.allocate(5 * kMiB, kStreamA);
+  CHECK(d == a);
+  CHECK(pool.held_count() == 0);
+  CHECK(pool.stats().num_system_allocs == 3);
+  // A block with no other stream recorded goes back to its stream at once, as before.
+  pool.deallocate(d);
+  CHECK(pool.held_count() == 0);
+  CHECK(pool.allocate(5 * kMiB, kStreamA) == a);
+  CHECK_THROWS_WITH_AS(pool.record_stream(reinterpret_cast<void*>(0x1234), kStreamB),
+                       doctest::Contains("[cuda allocator] fake:0: record_stream on pointer"), Error);
+  pool.deallocate(b);
+  pool.deallocate(c);
+}
+
+TEST_CASE("caching pool: a held block does not merge with its neighbours until it is released") {
+  FakeDevice dev(64 * kMiB);
+  CachingPool pool(dev, "fake:0");
+  void* a = pool.allocate(512, kStreamA);
+  void* b = pool.allocate(512, kStreamA);
+  void* keep = pool.allocate(512, kStreamA);
+  pool.record_stream(b, kStreamB);
+  pool.deallocate(b);
+  pool.deallocate(a);
+  void* ab = pool.allocate(1024, kStreamA);  // a alone is 512 B: b is held, so no 1 KiB run here
+  CHECK(ab != a);
+  dev.finish(kStreamB);
+  pool.deallocate(ab);
+  void* again = pool.allocate(1024, kStreamA);  // b released and merged with a
+  CHECK(again == a);
+  pool.empty_cache();
+  CHECK(pool.segment_count() == 1);
+  pool.deallocate(again);
+  pool.deallocate(keep);
+  pool.empty_cache();
+  CHECK(pool.segment_count() == 0);
+  CHECK(dev.used() == 0);
+}
+
+TEST_CASE("caching pool: empty_cache waits for held blocks and returns their segments") {
+  FakeDevice dev(64 * kMiB);
+  CachingPool pool(dev, "fake:0");
+  void* a = pool.allocate(3 * kMiB, kStreamA);
+  pool.record_stream(a, kStreamB);
+  pool.deallocate(a);
+  pool.empty_cache();
+  CHECK(pool.held_count() == 0);
+  CHECK(pool.segment_count() == 0);
+  CHECK(dev.used() == 0);
+}
+
+TEST_CASE("caching pool: a capture allocates from a private pool and queries no event") {
+  FakeDevice dev(64 * kMiB);
+  CachingPool pool(dev, "fake:0");
+  void* cached = pool.allocate(3 * kMiB, kStreamA);
+  void* before = pool.allocate(4096, kStreamA);  // allocated before the capture, freed during it
+  pool.deallocate(cached);
+  dev.finish(kStreamA);
+  const int id = pool.begin_capture(kStreamA);
+  CHECK(id == 1);
+  CHECK(pool.capture_underway());
+  dev.capturing = true;
+  void* x = pool.allocate(3 * kMiB, kStreamA);  // the cached general block is not the graph's
+  CHECK(x != cached);
+  pool.deallocate(x);                            // reused within the capture, in stream order
+  void* y = pool.allocate(3 * kMiB, kStreamA);
+  CHECK(y == x);
+  void* other = pool.allocate(3 * kMiB, kStreamB);  // not capturing: the general pool, but no event query
+  CHECK(other != cached);
+  pool.deallocate(before);  // its free event would land in the capture: deferred
+  pool.deallocate(other);
+  CHECK(pool.held_count() == 2);
+  dev.capturing = false;
+  pool.end_capture(kStreamA);
+  CHECK(!pool.capture_underway());
+  CHECK(pool.held_count() == 0);
+  CHECK(pool.allocate(4096, kStreamA) == before);
+  // Outside the capture the graph's memory stays the graph's: y's block is live, and a
+  // general request does not get the private pool's free remainder.
+  void* z = pool.allocate(3 * kMiB, kStreamA);
+  CHECK(z == cached);
+  CHECK_THROWS_WITH_AS(pool.end_capture(kStreamA), doctest::Contains("that is not capturing"), Error);
+  pool.deallocate(y);
+  pool.deallocate(z);
+}
+
+TEST_CASE("caching pool: a later capture may share a private pool; release_pool hands it back") {
+  FakeDevice dev(64 * kMiB);
+  CachingPool pool(dev, "fake:0");
+  const int id = pool.begin_capture(kStreamA);
+  dev.capturing = true;
+  void* x = pool.allocate(3 * kMiB, kStreamA);
+  void* kept = pool.allocate(3 * kMiB, kStreamA);  // a graph output the caller keeps
+  pool.deallocate(x);
+  dev.capturing = false;
+  pool.end_capture(kStreamA);
+  CHECK(pool.begin_capture(kStreamB, id) == id);
+  dev.capturing = true;
+  CHECK_THROWS_WITH_AS(pool.begin_capture(kStreamB), doctest::Contains("already capturing"), Error);
+  CHECK_THROWS_WITH_AS(pool.release_pool(id, kStreamA), doctest::Contains("still captures into it"), Error);
+  CHECK_THROWS_WITH_AS(pool.empty_cache(), doctest::Contains("during a graph capture"), Error);
+  dev.capturing = false;
+  pool.end_capture(kStreamB);
+  CHECK(pool.allocate(3 * kMiB, kStreamA) != x);  // private until released
+  pool.release_pool(id, kStreamC);                  // the graph's last replay ran on C
+  void* on_b = pool.allocate(3 * kMiB, kStreamB);
+  CHECK(on_b != x);  // C's replay may still write x
+  dev.finish(kStreamC);
+  void* on_b2 = pool.allocate(3 * kMiB, kStreamB);
+  CHECK(on_b2 == x);
+  pool.deallocate(kept);  // a live block of the released pool joins the general cache when freed
+  CHECK(pool.allocate(3 * kMiB, kStreamA) == kept);
+  CHECK_THROWS_WITH_AS(pool.begin_capture(kStreamA, 7), doctest::Contains("no private pool 7"), Error);
+  CHECK_THROWS_WITH_AS(pool.release_pool(0, kStreamA), doctest::Contains("the general pool"), Error);
+}
+
+TEST_CASE("caching pool: out of memory during a capture fails without returning the cache") {
+  FakeDevice dev(8 * kMiB);
+  CachingPool pool(dev, "fake:0");
+  void* a = pool.allocate(5 * kMiB, kStreamA);
+  pool.deallocate(a);  // 6 MiB cached
+  pool.begin_capture(kStreamA);
+  dev.capturing = true;
+  CHECK_THROWS_WITH_AS(pool.allocate(5 * kMiB, kStreamA),
+                       doctest::Contains("during a graph capture, when cached blocks cannot go back"), Error);
+  CHECK(dev.free_calls == 0);
+  dev.capturing = false;
+  pool.end_capture(kStreamA);
+  CHECK(pool.allocate(5 * kMiB, kStreamA) == a);
 }
