@@ -8,6 +8,7 @@
 #include <map>
 
 #include "collectives/internal.h"
+#include "engine/device.h"
 
 namespace quilt::detail::watchdog {
 namespace {
@@ -100,6 +101,12 @@ void loop() {
       if (auto sl = w.lock()) slots.push_back(std::move(sl));
     lk.unlock();
     if (hooks.tick) hooks.tick();
+    if (cuda::capture_underway()) {  // no event may be queried during a capture; deadlines wait too
+      entries.clear();
+      slots.clear();
+      lk.lock();
+      continue;
+    }
     const auto now = Clock::now();
     std::vector<char> finished(entries.size(), 0);
     bool any = false;

@@ -27,4 +27,9 @@ void cuda_event_synchronize(void* ev);
 bool cuda_event_query(void* ev);
 void* cuda_stream_create(int device);
 void cuda_stream_synchronize(void* stream);
+// Graph capture in device `device`'s caching allocator (CachingPool::begin_capture & co.);
+// a pool is released once the last graph using it is reset.
+int cuda_pool_begin_capture(int device, void* stream, int pool);
+void cuda_pool_end_capture(int device, void* stream);
+void cuda_pool_release(int device, int pool, void* replay_stream);
 }  // namespace quilt::detail

@@ -1,6 +1,7 @@
 // Device parsing, per-thread current streams, events (trivial on the CPU).
 #include "engine/device.h"
 
+#include <atomic>
 #include <map>
 
 #include "engine/cuda_runtime.h"
@@ -61,5 +62,11 @@ void Event::synchronize() const {
   if (handle_) detail::cuda_event_synchronize(handle_);
 }
 bool Event::query() const { return handle_ ? detail::cuda_event_query(handle_) : true; }
+
+namespace {
+std::atomic<int> g_captures{0};
+}
+bool cuda::capture_underway() { return g_captures.load(std::memory_order_acquire) > 0; }
+void detail::note_capture(int delta) { g_captures.fetch_add(delta, std::memory_order_acq_rel); }
 
 }  // namespace quilt

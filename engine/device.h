@@ -85,6 +85,48 @@ int device_count();
 std::string unavailable_reason();
 /// Makes device `i` current on this thread.
 void set_device(int i);
+/// True while a graph capture runs anywhere in this process: the watchdog then polls no event
+/// (querying one is illegal during a capture) and lets no deadline fire.
+bool capture_underway();
+
+/// A CUDA graph: the work one stream queues between capture_begin() and capture_end(), replayed
+/// as one launch. Memory allocated on that stream during the capture comes from a private pool
+/// of the caching allocator that the graph keeps until reset() (replays write those addresses);
+/// `share_pool_with` captures into another graph's pool.
+///
+///   Graph g;  g.capture_begin(s);  step();  g.capture_end();   // s: a non-default stream
+///   for (...) g.replay(s);
+class Graph {
+ public:
+  Graph() = default;
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  /// Starts capturing the work queued on `s` (a non-default CUDA stream), which becomes the
+  /// current stream of its device on this thread until capture_end().
+  void capture_begin(const Stream& s, const Graph* share_pool_with = nullptr);
+  /// Ends the capture and instantiates the graph.
+  void capture_end();
+  /// Launches the captured work on `s`.
+  void replay(const Stream& s);
+  /// Drops the graph; its private memory goes back to the allocator after the last replay.
+  void reset();
+  bool captured() const { return exec_ != nullptr; }
+
+ private:
+  Stream stream_;       // the capture stream
+  Stream prev_;         // the stream current before capture_begin, restored at capture_end
+  Stream last_replay_;  // where the last replay ran
+  void* graph_ = nullptr;  // cudaGraph_t
+  void* exec_ = nullptr;   // cudaGraphExec_t
+  int pool_ = 0;           // the allocator's private pool
+  bool capturing_ = false;
+};
 }  // namespace cuda
+
+namespace detail {
+/// Counts captures for cuda::capture_underway() (+1 at a capture's begin, -1 at its end).
+void note_capture(int delta);
+}  // namespace detail
 
 }  // namespace quilt

@@ -269,6 +269,7 @@ Storage Storage::allocate(size_t nbytes, Device device) {
   s.impl_->device = device;
   void* data = s.impl_->data;
   s.impl_->release = [alloc, data, nbytes, stream] { alloc->deallocate(data, nbytes, stream); };
+  s.impl_->allocator = alloc;
   return s;
 }
 
@@ -277,6 +278,7 @@ void Storage::resize_(size_t nbytes) const {
   const Device device = impl_->device;
   if (impl_->release) impl_->release();
   impl_->release = nullptr;
+  impl_->allocator = nullptr;
   impl_->data = nullptr;
   impl_->nbytes = 0;
   if (nbytes == 0) return;
@@ -286,6 +288,12 @@ void Storage::resize_(size_t nbytes) const {
   impl_->data = data;
   impl_->nbytes = nbytes;
   impl_->release = [alloc, data, nbytes, stream] { alloc->deallocate(data, nbytes, stream); };
+  impl_->allocator = alloc;
+}
+
+bool Storage::record_stream(const Stream& stream) const {
+  if (!impl_ || !impl_->allocator || !impl_->data) return false;
+  return impl_->allocator->record_stream(impl_->data, stream);
 }
 
 Storage Storage::allocate_pinned(size_t nbytes) {
@@ -298,6 +306,7 @@ Storage Storage::allocate_pinned(size_t nbytes) {
   s.impl_->device = Device::cpu();
   void* data = s.impl_->data;
   s.impl_->release = [alloc, data, nbytes, stream] { alloc->deallocate(data, nbytes, stream); };
+  s.impl_->allocator = alloc;
   return s;
 }
 

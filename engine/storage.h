@@ -23,6 +23,10 @@ class Allocator {
   virtual void* allocate(size_t bytes, const Stream& stream) = 0;
   /// Returns a block from allocate(); it becomes reusable once `stream`'s work is done.
   virtual void deallocate(void* ptr, size_t bytes, const Stream& stream) = 0;
+  /// Marks the live block `ptr` as used on `stream` as well: once freed, it is reused only after
+  /// the work queued there up to the free has completed. False when this allocator has no
+  /// streams to track (the host's), so the caller must keep the block alive itself.
+  virtual bool record_stream(void* ptr, const Stream& stream) { return false; }
 };
 
 /// Byte counters of an allocator.
@@ -93,6 +97,10 @@ class Storage {
   /// parameters after forward this way and refills them before backward, while the autograd
   /// graph keeps its views. Only for allocated (not borrowed) storage.
   void resize_(size_t nbytes) const;
+  /// The block is used on `stream` too (not the stream it was allocated on): its allocator
+  /// reuses it only after that stream's work up to the free is done. False when the storage is
+  /// borrowed or its allocator tracks no streams; then the caller keeps it alive until done.
+  bool record_stream(const Stream& stream) const;
 
  private:
   struct Impl {
@@ -100,6 +108,7 @@ class Storage {
     size_t nbytes = 0;
     Device device;
     std::function<void()> release;
+    Allocator* allocator = nullptr;  // null when borrowed
     ~Impl() { if (release) release(); }
   };
   std::shared_ptr<Impl> impl_;

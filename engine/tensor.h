@@ -107,6 +107,9 @@ class Tensor {
   size_t nbytes() const { return static_cast<size_t>(numel()) * element_size(); }
   bool is_contiguous() const;
   const Storage& storage() const { return impl().storage; }
+  /// The tensor's memory is used on `s` too (Storage::record_stream); false when the caller
+  /// must keep it alive until that use completes.
+  bool record_stream(const Stream& s) const { return storage().record_stream(s); }
   /// Address of element 0 (storage base + offset).
   void* data_ptr() const;
   /// Typed pointer to element 0; throws if T does not match dtype().

@@ -173,9 +173,15 @@ class NcclCommunicator final : public Communicator {
     ready.wait(stream_);
     enqueue(c, *w);
     w->done.record(stream_);
-    if (c.in.defined()) w->keep.push_back(c.in);
-    if (c.out.defined()) w->keep.push_back(c.out);
-    for (auto& it : c.p2p) w->keep.push_back(it.tensor);
+    // The buffers were made on the compute stream: record the communication stream on them so
+    // the allocator does not reuse them before the op is done. Only memory it does not own
+    // (borrowed) stays alive with the work until the watchdog sees it complete.
+    auto hold = [&](const Tensor& t) {
+      if (t.defined() && !t.record_stream(stream_)) w->keep.push_back(t);
+    };
+    hold(c.in);
+    hold(c.out);
+    for (auto& it : c.p2p) hold(it.tensor);
     watchdog::watch(w, trace_);
     return w;
   }

@@ -81,6 +81,12 @@ class CudaAllocator final : public Allocator {
       std::call_once(warned, [&] { std::fprintf(stderr, "quilt: [cuda allocator] free failed: %s\n", e.what()); });
     }
   }
+  bool record_stream(void* ptr, const Stream& stream) override {
+    QUILT_CHECK(stream.device == Device::cuda(device_), "[record_stream] a block of cuda:", device_,
+                " recorded on a stream of ", stream.device.str());
+    pool_.record_stream(ptr, stream.handle);
+    return true;
+  }
   CachingPool& pool() { return pool_; }
 
  private:
@@ -174,5 +180,39 @@ void reset_peak_memory(int device) {
 }
 
 }  // namespace cuda
+
+namespace detail {
+
+namespace {
+std::map<std::pair<int, int>, int>& pool_users() {  // (device, pool) -> graphs using it
+  static auto* m = new std::map<std::pair<int, int>, int>();
+  return *m;
+}
+}  // namespace
+
+int cuda_pool_begin_capture(int device, void* stream, int pool) {
+  auto* a = static_cast<CudaAllocator*>(cuda::allocator(device));
+  const int id = a->pool().begin_capture(stream, pool);
+  std::lock_guard<std::mutex> lock(g_mu);
+  ++pool_users()[{device, id}];
+  return id;
+}
+
+void cuda_pool_end_capture(int device, void* stream) {
+  static_cast<CudaAllocator*>(cuda::allocator(device))->pool().end_capture(stream);
+}
+
+void cuda_pool_release(int device, int pool, void* replay_stream) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = pool_users().find({device, pool});
+    if (it == pool_users().end()) return;
+    if (--it->second > 0) return;
+    pool_users().erase(it);
+  }
+  static_cast<CudaAllocator*>(cuda::allocator(device))->pool().release_pool(pool, replay_stream);
+}
+
+}  // namespace detail
 
 }  // namespace quilt

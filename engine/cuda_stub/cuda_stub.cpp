@@ -16,6 +16,16 @@ Allocator* allocator(int) { fail("[cuda] this build has no CUDA support: no CUDA
 MemoryStats memory_stats(int) { return {}; }
 void empty_cache(int) {}
 void reset_peak_memory(int) {}
+
+Graph::~Graph() = default;
+void Graph::capture_begin(const Stream& s, const Graph*) {
+  QUILT_CHECK(s.device.is_cuda(), "[cuda graph] capture_begin on a stream of ", s.device.str(),
+              ": graphs capture CUDA streams");
+  fail("[cuda graph] has no CUDA implementation in this build");
+}
+void Graph::capture_end() { fail("[cuda graph] capture_end without capture_begin"); }
+void Graph::replay(const Stream&) { fail("[cuda graph] replay of a graph that was not captured"); }
+void Graph::reset() {}
 }  // namespace cuda
 
 namespace cuda_rt {
@@ -35,6 +45,9 @@ void cuda_event_synchronize(void*) {}
 bool cuda_event_query(void*) { return true; }
 void* cuda_stream_create(int) { fail("[stream] has no CUDA implementation in this build"); }
 void cuda_stream_synchronize(void*) { fail("[stream] has no CUDA implementation in this build"); }
+int cuda_pool_begin_capture(int, void*, int) { fail("[cuda graph] has no CUDA implementation in this build"); }
+void cuda_pool_end_capture(int, void*) {}
+void cuda_pool_release(int, int, void*) {}
 }  // namespace detail
 
 }  // namespace quilt

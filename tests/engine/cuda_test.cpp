@@ -372,3 +372,65 @@ TEST_CASE("cuda: work on a side stream is ordered with events and copies round-t
   synchronize(side);
   check_equal(gpu(x).to(Device::cpu()), x, "host -> device -> host");
 }
+
+TEST_CASE("cuda: record_stream and graphs refuse what they cannot do, on every build") {
+  CHECK_FALSE(cuda::capture_underway());
+  Tensor host = ones({4});
+  CHECK_FALSE(host.record_stream(current_stream(Device::cpu())));  // the host allocator tracks no stream
+  float buf[4] = {1, 2, 3, 4};
+  Tensor borrowed = Tensor::from_storage(Storage::borrow(buf, sizeof(buf), Device::cpu(), nullptr), {4}, {1}, 0,
+                                         DType::f32);
+  CHECK_FALSE(borrowed.record_stream(current_stream(Device::cpu())));
+  cuda::Graph g;
+  CHECK_THROWS_WITH_AS(g.capture_begin(current_stream(Device::cpu())),
+                       doctest::Contains("[cuda graph] capture_begin on a stream of cpu"), Error);
+  CHECK_THROWS_WITH_AS(g.replay(current_stream(Device::cpu())), doctest::Contains("not captured"), Error);
+  CHECK_THROWS_WITH_AS(g.capture_end(), doctest::Contains("without capture_begin"), Error);
+  CHECK_FALSE(g.captured());
+  CHECK_FALSE(cuda::capture_underway());
+}
+
+TEST_CASE("cuda: a block recorded on a side stream is not reused before that stream is done") {
+  SKIP_WITHOUT_CUDA();
+  const Stream side = new_stream(kGpu);
+  void* first = nullptr;
+  {
+    Tensor t = zeros({1 << 20}, {.device = kGpu});
+    first = t.data_ptr();
+    CHECK(t.record_stream(side));
+    Event on_compute(kGpu);
+    on_compute.record(current_stream(kGpu));
+    on_compute.wait(side);
+  }
+  synchronize(side);
+  synchronize(current_stream(kGpu));
+  Tensor again = zeros({1 << 20}, {.device = kGpu});  // both streams are done: the block is back
+  CHECK(again.data_ptr() == first);
+}
+
+TEST_CASE("cuda: a captured graph replays the step on new inputs, and its memory is private") {
+  SKIP_WITHOUT_CUDA();
+  const Stream s = new_stream(kGpu);
+  Tensor x = gpu(arange(0, 1024, 1, {.dtype = DType::f32}));
+  Tensor y;
+  cuda::Graph g;
+  synchronize(current_stream(kGpu));
+  g.capture_begin(s);
+  CHECK(cuda::capture_underway());
+  y = quilt::exp(x * 0.001) + 1.0;
+  g.capture_end();
+  CHECK_FALSE(cuda::capture_underway());
+  CHECK(g.captured());
+  for (int step = 1; step <= 3; ++step) {
+    {
+      StreamGuard on(s);
+      x.copy_(gpu(arange(0, 1024, 1, {.dtype = DType::f32}) * double(step)));
+    }
+    g.replay(s);
+    synchronize(s);
+    check_close(y.to(Device::cpu()), quilt::exp(arange(0, 1024, 1, {.dtype = DType::f32}) * (0.001 * step)) + 1.0, 1e-6,
+                1e-6, "graph replay " + std::to_string(step));
+  }
+  g.reset();
+  CHECK_FALSE(g.captured());
+}
