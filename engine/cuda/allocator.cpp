@@ -14,6 +14,7 @@
 #include "engine/error.h"
 #include "engine/storage.h"
 #include "kernels/cuda/check.cuh"
+#include "kernels/cuda/kernels.h"
 
 namespace quilt {
 namespace {
@@ -94,6 +95,16 @@ class CudaAllocator final : public Allocator {
   CudaBackend backend_;
   CachingPool pool_;
 };
+
+// Kernels' scratch memory (kernels/cuda/kernels.h) comes from the caching allocator too.
+void* workspace_alloc(size_t bytes, int device, void* stream) {
+  return cuda::allocator(device)->allocate(bytes, Stream{Device::cuda(device), stream});
+}
+void workspace_free(void* ptr, int device, void* stream) {
+  cuda::allocator(device)->deallocate(ptr, 0, Stream{Device::cuda(device), stream});
+}
+[[maybe_unused]] const bool g_workspace_installed =
+    (kernels::cuda::set_workspace_allocator(workspace_alloc, workspace_free), true);
 
 // One allocator per device, created on first use and never destroyed (tensors may outlive statics).
 std::mutex g_mu;

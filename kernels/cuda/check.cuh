@@ -14,6 +14,10 @@ namespace quilt::kernels::cuda {
 [[noreturn]] void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line);
 /// Throws "[cublas] <expr> failed: <status name> at <file>:<line>".
 [[noreturn]] void throw_cublas_error(int status, const char* expr, const char* file, int line);
+/// Scratch memory on the current device for work queued on `stream` (set_workspace_allocator).
+void* workspace_alloc(size_t bytes, cudaStream_t stream);
+/// Returns it once the work using it is queued on `stream` (stream order makes reuse safe).
+void workspace_free(void* ptr, cudaStream_t stream);
 
 }  // namespace quilt::kernels::cuda
 

@@ -36,7 +36,7 @@ cublasHandle_t blas_for(cudaStream_t stream) {
   if (!h) QUILT_CHECK_CUBLAS(cublasCreate(&h));
   QUILT_CHECK_CUBLAS(cublasSetStream(h, stream));
   void*& ws = t->workspaces[{dev, stream}];
-  if (!ws) QUILT_CHECK_CUDA(cudaMalloc(&ws, kWorkspaceBytes));
+  if (!ws) ws = workspace_alloc(kWorkspaceBytes, stream);  // kept with the handle
   QUILT_CHECK_CUBLAS(cublasSetWorkspace(h, ws, kWorkspaceBytes));
   return h;
 }
@@ -144,16 +144,15 @@ void gemm(DType dt, const GemmArgs& g, void* stream) {
     ptrs[size_t(batch + i)] = a + (g.a_offsets ? g.a_offsets[i] : 0) * int64_t(es);
     ptrs[size_t(2 * batch + i)] = c + (g.c_offsets ? g.c_offsets[i] : 0) * int64_t(es);
   }
-  void* dev = nullptr;
   const size_t bytes = ptrs.size() * sizeof(void*);
-  QUILT_CHECK_CUDA(cudaMallocAsync(&dev, bytes, s));
+  void* dev = workspace_alloc(bytes, s);
   QUILT_CHECK_CUDA(cudaMemcpyAsync(dev, ptrs.data(), bytes, cudaMemcpyHostToDevice, s));
   const void* const* dp = static_cast<const void* const*>(dev);
   const cublasStatus_t st =
       cublasGemmBatchedEx(h, op_b, op_a, n, m, k, alpha, dp, ty.data, ldb, dp + batch, ty.data, lda, beta,
                           const_cast<void* const*>(dp + 2 * batch), ty.data, ldc, batch, ty.compute,
                           CUBLAS_GEMM_DEFAULT);
-  QUILT_CHECK_CUDA(cudaFreeAsync(dev, s));  // before checking, so a failed call does not leak it
+  workspace_free(dev, s);  // before checking, so a failed call does not leak it
   QUILT_CHECK_CUBLAS(st);
 }
 

@@ -45,4 +45,11 @@ void cross_entropy_backward(DType dt, void* grad_logits, const void* logits, con
 /// True when kernels were compiled into this build.
 bool compiled();
 
+/// Where kernels get device scratch memory (reduction partials, GEMM pointer arrays, cuBLAS
+/// workspaces): stream-ordered blocks, freed right after the kernels that use them are queued.
+/// The engine installs its caching allocator; until then cudaMallocAsync is used.
+using WorkspaceAlloc = void* (*)(size_t bytes, int device, void* stream);
+using WorkspaceFree = void (*)(void* ptr, int device, void* stream);
+void set_workspace_allocator(WorkspaceAlloc alloc, WorkspaceFree free);
+
 }  // namespace quilt::kernels::cuda

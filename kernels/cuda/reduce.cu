@@ -220,9 +220,8 @@ void reduce_typed(const ReduceLoop& l, cudaStream_t s) {
   }
   // Pass 1: partials (split, nout) into a stream-ordered workspace.
   const size_t nparts = size_t(split) * size_t(g.nout);
-  void* ws = nullptr;
   const size_t idx_bytes = op == ReduceOp::argmax ? nparts * sizeof(int64_t) : 0;
-  QUILT_CHECK_CUDA(cudaMallocAsync(&ws, nparts * sizeof(A) + idx_bytes + 16, s));
+  void* ws = workspace_alloc(nparts * sizeof(A) + idx_bytes + 16, s);
   A* wv = static_cast<A*>(ws);
   int64_t* wi = op == ReduceOp::argmax
                     ? reinterpret_cast<int64_t*>(static_cast<char*>(ws) + (nparts * sizeof(A) + 15) / 16 * 16)
@@ -252,7 +251,7 @@ void reduce_typed(const ReduceLoop& l, cudaStream_t s) {
   constexpr ReduceOp op2 = op == ReduceOp::sum_squares ? ReduceOp::sum : op;  // partials are already squared
   reduce_kernel<op2, A, O, true><<<dim3(gx2, 1), block2, 0, s>>>(g2, wv, wi, out, nullptr, nullptr);
   QUILT_CHECK_LAUNCH();
-  QUILT_CHECK_CUDA(cudaFreeAsync(ws, s));
+  workspace_free(ws, s);
 }
 
 const char* reduce_name(ReduceOp op) {

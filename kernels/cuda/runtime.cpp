@@ -60,4 +60,34 @@ void fail_msg(const char* what, const char* message) {
 
 bool compiled() { return true; }
 
+namespace {
+WorkspaceAlloc g_workspace_alloc = nullptr;
+WorkspaceFree g_workspace_free = nullptr;
+}  // namespace
+
+void set_workspace_allocator(WorkspaceAlloc alloc, WorkspaceFree free) {
+  g_workspace_alloc = alloc;
+  g_workspace_free = free;
+}
+
+void* workspace_alloc(size_t bytes, cudaStream_t stream) {
+  int dev = 0;
+  QUILT_CHECK_CUDA(cudaGetDevice(&dev));
+  if (g_workspace_alloc) return g_workspace_alloc(bytes, dev, stream);
+  void* p = nullptr;
+  QUILT_CHECK_CUDA(cudaMallocAsync(&p, bytes, stream));
+  return p;
+}
+
+void workspace_free(void* ptr, cudaStream_t stream) {
+  if (!ptr) return;
+  if (g_workspace_free) {
+    int dev = 0;
+    QUILT_CHECK_CUDA(cudaGetDevice(&dev));
+    g_workspace_free(ptr, dev, stream);
+    return;
+  }
+  QUILT_CHECK_CUDA(cudaFreeAsync(ptr, stream));
+}
+
 }  // namespace quilt::kernels::cuda
