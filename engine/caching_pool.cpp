@@ -170,7 +170,9 @@ void CachingPool::release_pool(int pool, void* replay_stream) {
     QUILT_CHECK(p != pool, "[cuda allocator] ", name_, ": release_pool(", pool, ") while stream ", stream,
                 " still captures into it");
   // Take the pool's free blocks out of the sets (their order depends on the pool), re-tag every
-  // block of the pool, and put the free ones back behind the last replay.
+  // block of the pool, and put the free ones back as blocks of the replay stream: the replay
+  // may still write them, so that stream may reuse them at once and every other one (the
+  // capture stream too) only after the replay's event.
   std::vector<Block*> free_blocks;
   for (FreeSet* set : {&small_free_, &large_free_})
     for (auto it = set->begin(); it != set->end();)
@@ -190,6 +192,7 @@ void CachingPool::release_pool(int pool, void* replay_stream) {
   const StreamEvent replayed{record_event(replay_stream), replay_stream};
   for (Block* b : free_blocks) {
     b->pool = 0;
+    b->stream = replay_stream;
     b->events.push_back(replayed);
     (b->small ? small_free_ : large_free_).insert(b);
   }
@@ -214,7 +217,7 @@ void CachingPool::free_block(Block* b) {
     return;
   }
   Held h{b, {}};
-  for (void* s : b->uses) h.events.push_back(record_event(s));
+  for (void* s : b->uses) h.events.push_back({record_event(s), s});
   b->uses.clear();
   b->held = true;
   held_.push_back(std::move(h));
@@ -241,7 +244,7 @@ void CachingPool::empty_cache() {
   QUILT_CHECK(captures_.empty(), "[cuda allocator] ", name_,
               ": empty_cache() during a graph capture (memory cannot go back to the device while one runs)");
   for (Held& h : held_)
-    for (const EventRef& e : h.events) backend_.event_synchronize(e.get());
+    for (const StreamEvent& e : h.events) backend_.event_synchronize(e.event.get());
   process_held();
   release_cached();
 }
@@ -293,12 +296,6 @@ CachingPool::Block* CachingPool::find_free_other_stream(FreeSet& set, size_t siz
 bool CachingPool::events_done(std::vector<StreamEvent>& ev) {
   ev.erase(std::remove_if(ev.begin(), ev.end(),
                           [&](const StreamEvent& e) { return backend_.event_query(e.event.get()); }),
-           ev.end());
-  return ev.empty();
-}
-
-bool CachingPool::events_done(std::vector<EventRef>& ev) {
-  ev.erase(std::remove_if(ev.begin(), ev.end(), [&](const EventRef& e) { return backend_.event_query(e.get()); }),
            ev.end());
   return ev.empty();
 }

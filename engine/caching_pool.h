@@ -119,12 +119,11 @@ class CachingPool {
   };
   struct Held {  // a freed block waiting for the events of the other streams that used it
     Block* block;
-    std::vector<EventRef> events;
+    std::vector<StreamEvent> events;
   };
 
   Block* find_free(FreeSet& set, size_t size, void* stream, int pool);
   Block* find_free_other_stream(FreeSet& set, size_t size, void* stream, int pool);
-  bool events_done(std::vector<EventRef>& events);
   bool events_done(std::vector<StreamEvent>& events);
   Block* new_segment(size_t size, bool small, void* stream, size_t request, int pool);
   Block* split(Block* b, size_t size);

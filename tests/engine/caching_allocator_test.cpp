@@ -466,8 +466,10 @@ TEST_CASE("caching pool: a later capture may share a private pool; release_pool 
   pool.end_capture(kStreamB);
   CHECK(pool.allocate(3 * kMiB, kStreamA) != x);  // private until released
   pool.release_pool(id, kStreamC);                  // the graph's last replay ran on C
+  void* on_a = pool.allocate(3 * kMiB, kStreamA);
+  CHECK(on_a != x);  // C's replay may still write x: not even the capture stream may take it
   void* on_b = pool.allocate(3 * kMiB, kStreamB);
-  CHECK(on_b != x);  // C's replay may still write x
+  CHECK(on_b != x);
   dev.finish(kStreamC);
   void* on_b2 = pool.allocate(3 * kMiB, kStreamB);
   CHECK(on_b2 == x);
