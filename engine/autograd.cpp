@@ -3,6 +3,7 @@
 #include "engine/autograd.h"
 
 #include <atomic>
+#include <mutex>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
@@ -87,6 +88,10 @@ Node::Node() : sequence_nr(g_sequence.fetch_add(1)) {}
 std::shared_ptr<Node> grad_accumulator(const Tensor& leaf) {
   QUILT_CHECK(leaf.is_leaf() && leaf.requires_grad(), "[autograd] grad_accumulator of a non-leaf or a tensor not requiring grad");
   AutogradMeta& m = leaf.unsafe_impl()->meta();
+  // Threads of one process (the threads backend's ranks) may record ops on one shared leaf at
+  // once: without the lock two of them write its weak_ptr together.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   if (auto acc = m.grad_accumulator.lock()) return acc;
   auto acc = std::make_shared<AccumulateGrad>(leaf.impl_ptr());
   m.grad_accumulator = acc;
