@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads (here, where the package registry is reachable) the Debian packages a GPU machine
 # without them needs to build Quilt for tools/gpu-check, into .gpu-deps/ (ignored by git; about
-# 2 MB). tools/gpu-check unpacks .gpu-deps/*.deb before building. Open MPI is left out on
+# 3 MB). tools/gpu-check unpacks .gpu-deps/*.deb before building. Open MPI is left out on
 # purpose — its closure is ~300 MB — so that build has no MPI backend (QUILT_MPI=OFF is
 # automatic when MPI is absent) and runs the single-process and threads tests.
 set -euo pipefail
@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 mkdir -p .gpu-deps
 cd .gpu-deps
 apt-get download libeigen3-dev doctest-dev libbenchmark-dev libbenchmark1debian nlohmann-json3-dev \
-  libyaml-cpp-dev libyaml-cpp0.7 libcli11-dev
+  libyaml-cpp-dev libyaml-cpp0.7 libcli11-dev libxxhash-dev libxxhash0
 ls -1 *.deb

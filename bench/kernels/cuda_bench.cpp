@@ -16,43 +16,13 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "bench/kernels/cuda_bench.h"
 #include "kernels/cuda/kernels.h"
 
 using namespace quilt;
+using namespace quilt::cuda_bench;
 
 namespace {
-
-constexpr double kPeakBf16Tflops = 790.0;
-constexpr double kPeakF32Tflops = 67.0;
-constexpr double kPeakGBps = 4300.0;
-const Device kGpu = Device::cuda(0);
-
-void* stream() { return current_stream(kGpu).handle; }
-
-// Times `reps` launches per iteration and sets the per-launch time, the rate and pct_peak.
-// `work` is FLOPs (tflops = true) or bytes moved per launch.
-template <class F>
-void timed(benchmark::State& state, int reps, double work, bool tflops, double peak, F&& launch) {
-  launch();  // warm-up: cuBLAS heuristics, first-touch of pages
-  synchronize(current_stream(kGpu));
-  double total = 0;
-  int64_t launches = 0;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int r = 0; r < reps; ++r) launch();
-    synchronize(current_stream(kGpu));
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    state.SetIterationTime(dt / reps);
-    total += dt;
-    launches += reps;
-  }
-  const double per = total / double(launches);
-  const double rate = tflops ? work / per / 1e12 : work / per / 1e9;
-  state.counters[tflops ? "TFLOPs" : "GBps"] = rate;
-  state.counters["pct_peak"] = 100.0 * rate / peak;
-}
-
-Tensor dev_randn(const Shape& s, DType dt, const char* key) { return randn(s, RngKey(1, key), {.dtype = dt, .device = kGpu}); }
 
 kernels::Loop<2> flat2(void* out, void* in, int64_t n) {
   const int64_t shape[1] = {n}, st[1] = {1};
@@ -142,16 +112,7 @@ void bm_sum(benchmark::State& state, DType dt, int64_t rows, int64_t cols) {
         [&] { kernels::cuda::reduce(kernels::ReduceOp::sum, dt, dt, l, stream()); });
 }
 
-std::string shape_of(std::initializer_list<int64_t> dims) {
-  std::string s;
-  for (int64_t d : dims) s += (s.empty() ? "" : "x") + std::to_string(d);
-  return s;
-}
-
-void register_all() {
-  auto reg = [](const std::string& name, auto fn) {
-    benchmark::RegisterBenchmark(name.c_str(), fn)->UseManualTime()->Unit(benchmark::kMicrosecond);
-  };
+void register_core() {
   for (int64_t n : {4096, 8192}) {
     reg("gemm_bf16/" + shape_of({n, n, n}), [n](benchmark::State& s) { bm_gemm(s, DType::bf16, n); });
     reg("gemm_f32/" + shape_of({n, n, n}), [n](benchmark::State& s) { bm_gemm(s, DType::f32, n); });
@@ -208,7 +169,16 @@ class TableReporter : public benchmark::ConsoleReporter {
   std::vector<Run> rows_;
 };
 
+const Registrar core(register_core);
+
 }  // namespace
+
+namespace quilt::cuda_bench {
+std::vector<void (*)()>& registry() {
+  static std::vector<void (*)()> fns;
+  return fns;
+}
+}  // namespace quilt::cuda_bench
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
@@ -217,7 +187,7 @@ int main(int argc, char** argv) {
     std::printf("cuda_bench: skipped: no CUDA device (%s)\n", cuda::unavailable_reason().c_str());
     return 0;
   }
-  register_all();
+  for (void (*fn)() : registry()) fn();
   TableReporter table;
   benchmark::RunSpecifiedBenchmarks(&table);
   benchmark::Shutdown();
