@@ -7,6 +7,11 @@
 //   moe_slot_dot  (a, b, order)   -> d[t, j] = dot(a[t], b[row of slot t*k+j])      (T, k)
 // whose gradients are written with one another (a missing w means ones), so every backward is
 // made of ops and runs distributed when its inputs are. Integer inputs get no gradient.
+//
+// On CUDA every primitive runs kernels/cuda/{grouped_gemm,moe}.cu without waiting for the
+// device: offsets and orders stay on the device, so they are not checked there (the kernels
+// clamp bad values instead of reading out of bounds); moe_route's host_counts copy is the one
+// sync, and it also catches expert indices outside [0, E).
 #include "engine/ops/moe.h"
 
 #include <optional>
@@ -16,6 +21,7 @@
 #include "engine/ops/view.h"
 #include "engine/primitive.h"
 #include "kernels/cpu/moe.h"
+#include "kernels/cuda/moe.h"
 
 namespace quilt {
 namespace {
@@ -25,9 +31,9 @@ namespace {
 using ops::gemm_operand;
 using Operand = ops::GemmOperand;
 
-// An integer tensor's values on the host as i64.
+// An integer tensor's values on the host as i64 (a device tensor is copied back: a sync).
 std::vector<int64_t> host_i64(const Tensor& t) {
-  Tensor c = contiguous(cast(t, DType::i64));
+  Tensor c = contiguous(cast(t.device().is_cpu() ? t : t.to(Device::cpu()), DType::i64));
   const int64_t* p = c.data<int64_t>();
   return std::vector<int64_t>(p, p + c.numel());
 }
@@ -40,6 +46,17 @@ Tensor unit_cols(const Tensor& t) { return t.size(1) <= 1 || t.stride(1) == 1 ? 
 int64_t row_stride(const Tensor& t) { return t.size(0) <= 1 ? t.size(1) : t.stride(0); }
 
 bool is_index_dtype(DType dt) { return dt == DType::i32 || dt == DType::i64; }
+
+bool on_cuda(const char* op, const std::vector<Tensor>& in) { return common_device(op, in).is_cuda(); }
+void* stream_of(const Tensor& t) { return ops::stream_handle(t.device()); }
+
+// The device inverse of a routing order (slot -> row, -1 where no row names the slot); unchecked.
+Tensor device_slot_row(const Tensor& order64) {
+  Tensor slot_row = Tensor::empty({order64.numel()}, {.dtype = DType::i64, .device = order64.device()});
+  kernels::cuda::moe_invert_order(order64.numel(), order64.data<int64_t>(), slot_row.data<int64_t>(),
+                                  stream_of(order64));
+  return slot_row;
+}
 
 // Throws unless offsets are non-decreasing, non-negative and end at m (grouped_mm's contract).
 void check_offsets(const char* op, const std::vector<int64_t>& off, const Tensor& x) {
@@ -82,23 +99,29 @@ class GroupedMm final : public Primitive {
  public:
   const char* name() const override { return "grouped_mm"; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    require_cpu(name(), in);
     Tensor x = in[0], w = in[1];
-    const std::vector<int64_t> off = host_i64(in[2]);
-    check_offsets(name(), off, x);
+    const bool cuda = on_cuda(name(), in);
+    // CUDA: the offsets stay on the device and the kernel reads them there (no sync, unchecked).
+    const Tensor off_dev = cuda ? i64_contiguous(in[2]) : Tensor();
+    const std::vector<int64_t> off = cuda ? std::vector<int64_t>() : host_i64(in[2]);
+    if (cuda)
+      QUILT_CHECK(in[2].numel() > 0 || x.size(0) == 0, "[", name(), "] offsets is empty (no groups) but x ",
+                  x.shape(), " has ", x.size(0), " rows");
+    else check_offsets(name(), off, x);
     const int64_t m = x.size(0), k = x.size(1), n = w.size(2);
     if (k == 0) return {zeros({m, n}, {.dtype = x.dtype(), .device = x.device()})};  // empty sums
     Tensor out = Tensor::empty({m, n}, {.dtype = x.dtype(), .device = x.device()});
     if (out.numel() == 0) return {out};
     const Operand ox = gemm_operand(x), ow = gemm_operand(w);
     kernels::GroupedGemmArgs g;
-    g.groups = int64_t(off.size());
-    g.offsets = off.data();
+    g.groups = in[2].numel();
+    g.offsets = cuda ? off_dev.data<int64_t>() : off.data();
     g.m = m; g.n = n; g.k = k;
     g.x = x.data_ptr(); g.trans_x = ox.trans; g.ldx = ox.ld;
     g.w = w.data_ptr(); g.trans_w = ow.trans; g.ldw = ow.ld; g.w_group_stride = w.stride(0);
     g.out = out.data_ptr(); g.ldo = n;
-    kernels::cpu::grouped_gemm(x.dtype(), g);
+    if (cuda) kernels::cuda::grouped_gemm(x.dtype(), g, stream_of(x));
+    else kernels::cpu::grouped_gemm(x.dtype(), g);
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
@@ -132,23 +155,28 @@ class GroupedMmWeightGrad final : public Primitive {
  public:
   const char* name() const override { return "grouped_mm_weight_grad"; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    require_cpu(name(), in);
     Tensor x = in[0], dy = in[1];
-    const std::vector<int64_t> off = host_i64(in[2]);
-    check_offsets(name(), off, x);
-    const int64_t e = int64_t(off.size()), m = x.size(0), k = x.size(1), n = dy.size(1);
+    const bool cuda = on_cuda(name(), in);
+    const Tensor off_dev = cuda ? i64_contiguous(in[2]) : Tensor();  // read on the device, unchecked
+    const std::vector<int64_t> off = cuda ? std::vector<int64_t>() : host_i64(in[2]);
+    if (cuda)
+      QUILT_CHECK(in[2].numel() > 0 || x.size(0) == 0, "[", name(), "] offsets is empty (no groups) but x ",
+                  x.shape(), " has ", x.size(0), " rows");
+    else check_offsets(name(), off, x);
+    const int64_t e = in[2].numel(), m = x.size(0), k = x.size(1), n = dy.size(1);
     if (m == 0) return {zeros({e, k, n}, {.dtype = x.dtype(), .device = x.device()})};  // every group empty
     Tensor dw = Tensor::empty({e, k, n}, {.dtype = x.dtype(), .device = x.device()});
     if (dw.numel() == 0) return {dw};
     const Operand ox = gemm_operand(x), ody = gemm_operand(dy);
     kernels::GroupedGemmWeightGradArgs g;
     g.groups = e;
-    g.offsets = off.data();
+    g.offsets = cuda ? off_dev.data<int64_t>() : off.data();
     g.m = m; g.n = n; g.k = k;
     g.x = x.data_ptr(); g.trans_x = ox.trans; g.ldx = ox.ld;
     g.dy = dy.data_ptr(); g.trans_dy = ody.trans; g.lddy = ody.ld;
     g.dw = dw.data_ptr();
-    kernels::cpu::grouped_gemm_weight_grad(x.dtype(), g);
+    if (cuda) kernels::cuda::grouped_gemm_weight_grad(x.dtype(), g, stream_of(x));
+    else kernels::cpu::grouped_gemm_weight_grad(x.dtype(), g);
     return {dw};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
@@ -180,8 +208,18 @@ class MoeRoute final : public Primitive {
   const char* name() const override { return "moe_route"; }
   Attrs attrs() const override { return {{"num_experts", num_experts_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    require_cpu(name(), in);
     const Tensor& idx = in[0];
+    if (idx.device().is_cuda()) {
+      // A stable device sort; an index outside [0, E) is left out of counts (moe_route checks).
+      const Tensor idx64 = i64_contiguous(idx);
+      const int64_t n = idx64.numel();
+      const TensorOptions opts{.dtype = DType::i64, .device = idx.device()};
+      Tensor order = Tensor::empty({n}, opts), counts = Tensor::empty({num_experts_}, opts);
+      Tensor offsets = Tensor::empty({num_experts_}, opts);
+      kernels::cuda::moe_route(idx64.data<int64_t>(), n, num_experts_, order.data<int64_t>(), counts.data<int64_t>(),
+                               offsets.data<int64_t>(), stream_of(idx));
+      return {order, counts, offsets};
+    }
     const std::vector<int64_t> e = host_i64(idx);
     const int64_t n = int64_t(e.size()), k = idx.size(1), ne = num_experts_;
     const TensorOptions opts{.dtype = DType::i64, .device = idx.device()};
@@ -223,13 +261,18 @@ class MoePermute final : public Primitive {
   const char* name() const override { return "moe_permute"; }
   Attrs attrs() const override { return {{"k", k_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    require_cpu(name(), in);
+    const bool cuda = on_cuda(name(), in);
     const Tensor x = unit_cols(in[0]), order = i64_contiguous(in[1]);
     const Tensor w = in[2].defined() ? contiguous(in[2]) : Tensor();
-    invert_order(name(), order);
+    if (!cuda) invert_order(name(), order);  // CUDA: unchecked (a bad entry gives a zero row)
     const int64_t n = order.numel(), h = x.size(1);
     Tensor out = Tensor::empty({n, h}, {.dtype = x.dtype(), .device = x.device()});
     if (out.numel() == 0) return {out};
+    if (cuda) {
+      kernels::cuda::moe_permute(x.dtype(), n, h, k_, order.data<int64_t>(), x.data_ptr(), row_stride(x),
+                                 w.defined() ? w.data_ptr() : nullptr, out.data_ptr(), stream_of(x));
+      return {out};
+    }
     kernels::cpu::moe_permute(x.dtype(), n, h, k_, order.data<int64_t>(), x.data_ptr(), row_stride(x),
                               w.defined() ? w.data_ptr() : nullptr, out.data_ptr());
     return {out};
@@ -257,11 +300,19 @@ class MoeUnpermute final : public Primitive {
   const char* name() const override { return "moe_unpermute"; }
   Attrs attrs() const override { return {{"k", k_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    require_cpu(name(), in);
+    const bool cuda = on_cuda(name(), in);
     const Tensor y = unit_cols(in[0]), order = i64_contiguous(in[1]);
     const Tensor w = in[2].defined() ? contiguous(in[2]) : Tensor();
-    const std::vector<int64_t> slot_row = invert_order(name(), order);
     const int64_t tokens = y.size(0) / k_, h = y.size(1);
+    if (cuda) {  // a gather-and-sum per token: deterministic without atomics; order unchecked
+      Tensor out = Tensor::empty({tokens, h}, {.dtype = y.dtype(), .device = y.device()});
+      if (out.numel() == 0) return {out};
+      const Tensor slot_row = device_slot_row(order);
+      kernels::cuda::moe_unpermute(y.dtype(), tokens, h, k_, slot_row.data<int64_t>(), y.data_ptr(), row_stride(y),
+                                   w.defined() ? w.data_ptr() : nullptr, out.data_ptr(), stream_of(y));
+      return {out};
+    }
+    const std::vector<int64_t> slot_row = invert_order(name(), order);
     Tensor out = Tensor::empty({tokens, h}, {.dtype = y.dtype(), .device = y.device()});
     if (out.numel() == 0) return {out};
     kernels::cpu::moe_unpermute(y.dtype(), tokens, h, k_, slot_row.data(), y.data_ptr(), row_stride(y),
@@ -291,10 +342,18 @@ class MoeSlotDot final : public Primitive {
   const char* name() const override { return "moe_slot_dot"; }
   Attrs attrs() const override { return {{"k", k_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    require_cpu(name(), in);
+    const bool cuda = on_cuda(name(), in);
     const Tensor a = unit_cols(in[0]), b = unit_cols(in[1]), order = i64_contiguous(in[2]);
-    const std::vector<int64_t> slot_row = invert_order(name(), order);
     const int64_t tokens = a.size(0), h = a.size(1);
+    if (cuda) {
+      Tensor d = Tensor::empty({tokens, k_}, {.dtype = a.dtype(), .device = a.device()});
+      if (d.numel() == 0) return {d};
+      const Tensor slot_row = device_slot_row(order);
+      kernels::cuda::moe_slot_dot(a.dtype(), tokens, h, k_, slot_row.data<int64_t>(), a.data_ptr(), row_stride(a),
+                                  b.data_ptr(), row_stride(b), d.data_ptr(), stream_of(a));
+      return {d};
+    }
+    const std::vector<int64_t> slot_row = invert_order(name(), order);
     Tensor d = Tensor::empty({tokens, k_}, {.dtype = a.dtype(), .device = a.device()});
     if (d.numel() == 0) return {d};
     kernels::cpu::moe_slot_dot(a.dtype(), tokens, h, k_, slot_row.data(), a.data_ptr(), row_stride(a), b.data_ptr(),
@@ -359,6 +418,20 @@ MoeRouting moe_route(const Tensor& expert_idx, int64_t num_experts) {
   std::vector<Tensor> outs = apply(std::make_shared<MoeRoute>(num_experts), {expert_idx});
   MoeRouting r{outs[0], outs[1], outs[2], {}};
   r.host_counts = host_i64(r.counts.is_distributed() ? r.counts.local() : r.counts);  // replicated
+  // The device sort leaves indices outside [0, E) out of counts; find the first one for the message.
+  const Tensor& idx = expert_idx.is_distributed() ? expert_idx.local() : expert_idx;
+  if (idx.device().is_cuda()) {
+    int64_t total = 0;
+    for (int64_t c : r.host_counts) total += c;
+    if (total != idx.numel()) {
+      const std::vector<int64_t> e = host_i64(idx);
+      const int64_t k = idx.size(1);
+      for (size_t s = 0; s < e.size(); ++s)
+        if (e[s] < 0 || e[s] >= num_experts)
+          fail("[moe_route] expert_idx[", int64_t(s) / k, ", ", int64_t(s) % k, "] = ", e[s], " is outside [0, ",
+               num_experts, ") (num_experts = ", num_experts, ")");
+    }
+  }
   return r;
 }
 

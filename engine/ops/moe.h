@@ -12,11 +12,12 @@
 //   Tensor h = swiglu(grouped_mm(xs, w1t, r.offsets), grouped_mm(xs, w3t, r.offsets));
 //   Tensor y = moe_unpermute(grouped_mm(h, w2t, r.offsets), r.order, weights);   // (T, H)
 //
-// All are primitives with CPU kernels and backward formulas in ops; integer inputs (order,
-// offsets, expert_idx) get no gradient. A CUDA input throws "[op] has no CUDA implementation in
-// this build" for now. Sharding rules (dtensor/rules/moe.cpp): w Shard(2) -> out Shard(1)
-// (column-parallel experts), x and w Shard(1) -> Partial (row-parallel), hidden-dim shards pass
-// through moe_permute / moe_unpermute; offsets and order stay replicated.
+// All are primitives with CPU and CUDA kernels and backward formulas in ops; integer inputs
+// (order, offsets, expert_idx) get no gradient. On CUDA nothing waits for the device except
+// moe_route's host_counts; offsets and orders are read there unchecked (the CPU checks them).
+// Sharding rules (dtensor/rules/moe.cpp): w Shard(2) -> out Shard(1) (column-parallel
+// experts), x and w Shard(1) -> Partial (row-parallel), hidden-dim shards pass through
+// moe_permute / moe_unpermute; offsets and order stay replicated.
 #pragma once
 
 #include <cstdint>
