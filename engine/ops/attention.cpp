@@ -1,8 +1,10 @@
 // Scaled dot-product attention. On CPU tensors (local or distributed) it is a primitive with a
 // fused flash-style kernel (kernels/cpu/attention.h) that returns the output and each query's
 // log-sum-exp, and whose backward recomputes the probabilities from them, so no (T, S) matrix
-// is kept. A bool mask tensor, CUDA tensors and AttentionOptions::composite take the composite
-// of matmul, softmax and where, which runs wherever those ops do. Sharding rules:
+// is kept. CUDA tensors take the same primitive with the CUDA kernels (kernels/cuda/attention.h)
+// where those support the dtype and head dims (f32/bf16/f16, D = Dv of 64 or 128). A bool mask
+// tensor, other CUDA calls and AttentionOptions::composite take the composite of matmul,
+// softmax and where, which runs wherever those ops do. Sharding rules:
 // dtensor/rules/attention.cpp. (rotary_embedding is in nn.cpp.)
 #include <cmath>
 #include <limits>
@@ -18,6 +20,7 @@
 #include "engine/primitive.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/nn.h"
+#include "kernels/cuda/attention.h"
 
 namespace quilt {
 namespace {
@@ -215,12 +218,19 @@ class SdpaBackward final : public Primitive {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const std::vector<Tensor> x = contiguous_all(in);
     const Tensor &q = x[2], &k = x[3], &v = x[4];
-    Tensor dq = Tensor::empty(q.shape(), {.dtype = q.dtype()});
-    Tensor dk = Tensor::empty(k.shape(), {.dtype = k.dtype()});
-    Tensor dv = Tensor::empty(v.shape(), {.dtype = v.dtype()});
-    kernels::cpu::attention_backward(q.dtype(), kernel_args(q, k, v, cfg_, x.data() + 7),
-                                     dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), x[0].data_ptr(), x[1].data_ptr(),
-                                     q.data_ptr(), k.data_ptr(), v.data_ptr(), x[5].data_ptr(), x[6].data_ptr());
+    Tensor dq = Tensor::empty(q.shape(), {.dtype = q.dtype(), .device = q.device()});
+    Tensor dk = Tensor::empty(k.shape(), {.dtype = k.dtype(), .device = q.device()});
+    Tensor dv = Tensor::empty(v.shape(), {.dtype = v.dtype(), .device = q.device()});
+    const kernels::cpu::AttentionArgs a = kernel_args(q, k, v, cfg_, x.data() + 7);
+    const void* dlse = x[1].defined() ? x[1].data_ptr() : nullptr;
+    if (q.device().is_cpu())
+      kernels::cpu::attention_backward(q.dtype(), a, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), x[0].data_ptr(),
+                                       dlse, q.data_ptr(), k.data_ptr(), v.data_ptr(), x[5].data_ptr(),
+                                       x[6].data_ptr());
+    else
+      kernels::cuda::attention_backward(q.dtype(), a, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), x[0].data_ptr(),
+                                        dlse, q.data_ptr(), k.data_ptr(), v.data_ptr(), x[5].data_ptr(),
+                                        x[6].data_ptr(), ops::stream_handle(q.device()));
     return {dq, dk, dv};
   }
 
@@ -238,10 +248,15 @@ class Sdpa final : public Primitive {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const std::vector<Tensor> x = contiguous_all(in);
     const Tensor &q = x[0], &k = x[1], &v = x[2];
-    Tensor out = Tensor::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, {.dtype = q.dtype()});
-    Tensor lse = Tensor::empty({q.size(0), q.size(1), q.size(2)}, {.dtype = stat_dtype(q.dtype())});
-    kernels::cpu::attention_forward(q.dtype(), kernel_args(q, k, v, cfg_, x.data() + 3),
-                                    out.data_ptr(), lse.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr());
+    Tensor out = Tensor::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, {.dtype = q.dtype(), .device = q.device()});
+    Tensor lse = Tensor::empty({q.size(0), q.size(1), q.size(2)}, {.dtype = stat_dtype(q.dtype()), .device = q.device()});
+    const kernels::cpu::AttentionArgs a = kernel_args(q, k, v, cfg_, x.data() + 3);
+    if (q.device().is_cpu())
+      kernels::cpu::attention_forward(q.dtype(), a, out.data_ptr(), lse.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                      v.data_ptr());
+    else
+      kernels::cuda::attention_forward(q.dtype(), a, out.data_ptr(), lse.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                       v.data_ptr(), ops::stream_handle(q.device()));
     return {out, lse};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
@@ -278,7 +293,8 @@ AttentionOutput attend(const Tensor& q, const Tensor& k, const Tensor& v, const 
   (void)common_device("scaled_dot_product_attention", {q, k, v, docs.first, docs.second, pos.first, pos.second});
   const int64_t offset = options.causal_offset.value_or(n.s - n.t);
   const double sc = default_scale(options.scale, n.d);
-  if (options.composite || !q.device().is_cpu())
+  const bool fused = q.device().is_cpu() || kernels::cuda::attention_supported(q.dtype(), n.d, n.dv);
+  if (options.composite || !fused)
     return composite(q, k, v, n, Tensor(), options.causal, offset, sc, docs, pos, want_lse);
   const Config cfg{options.causal, sc, offset, docs.first.defined(), pos.first.defined()};
   std::vector<Tensor> in{q, k, v};

@@ -1,0 +1,663 @@
+// CUDA flash attention (see attention.h): forward with the per-query log-sum-exp, backward in
+// three kernels (delta = rowsum(dO ∘ O) - dlse; dK/dV per key block; dQ per query block), so
+// the backward is deterministic: every output element is summed by one CTA in a fixed order.
+//
+// Every CTA is 4 warps over a 64-query x 64-key tile; warp w owns query rows [16w, 16w + 16)
+// of the scores, so the online softmax needs no block-level sync, only the K/V loads do. Tiles
+// live in shared memory: the tile products are warp-wide 16 x n GEMMs with WMMA (bf16/f16 in,
+// f32 accumulate) for 16-bit inputs and FMAs for f32 (exact f32 numbers, as the CPU). Scores,
+// softmax state and accumulators (O, dQ, dK, dV) are f32; P and dS are rounded to the input
+// dtype before they enter a tensor-core product, as flash attention does. Tiles that the causal
+// rule (by index: bounds of the key loop; by position: min/max of the tile's positions) or the
+// documents hide entirely are skipped. 16-bit tiles are padded by 16 bytes a row against
+// shared-memory bank conflicts. This is the simple shared-memory form (no cp.async pipeline,
+// no wgmma): correct first, then faster.
+#include <mma.h>
+
+#include <climits>
+#include <cmath>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/common.cuh"
+
+namespace quilt::kernels::cuda {
+namespace {
+
+constexpr int kTile = 64;     // queries and keys per tile
+constexpr int kWarps = 4;     // warp w owns rows [16w, 16w + 16) of a tile
+constexpr int kThreads = 32 * kWarps;
+constexpr int kWarpRows = kTile / kWarps;
+static_assert(kWarpRows == 16, "the WMMA products take 16 rows per warp");
+
+template <class T>
+struct Mma {
+  static constexpr bool kTensor = false;
+};
+template <>
+struct Mma<BFloat16> {
+  static constexpr bool kTensor = true;
+  using E = __nv_bfloat16;
+};
+template <>
+struct Mma<Half> {
+  static constexpr bool kTensor = true;
+  using E = __half;
+};
+
+// Shared-memory layout of the kernels, in bytes; every piece is a multiple of 128 bytes, so
+// carving them one after another keeps WMMA's 32-byte alignment.
+template <class T, int kD>
+struct Smem {
+  static constexpr bool k16 = sizeof(T) == 2;
+  static constexpr int ld = kD + (k16 ? 8 : 0);      // (64, D) tiles of T: Q, K, V, dO
+  static constexpr int lds = kTile + (k16 ? 4 : 0);  // (64, 64) f32 tiles: S, dP
+  static constexpr int ldp = kTile + (k16 ? 8 : 0);  // (64, 64) tiles of T: P, dS (f32: in S, dP)
+  static constexpr int ldo = kD + (k16 ? 4 : 0);     // (64, D) f32 accumulators: O, dQ, dK, dV
+  static constexpr size_t tile = size_t(kTile) * ld * sizeof(T);
+  static constexpr size_t stile = size_t(kTile) * lds * sizeof(float);
+  static constexpr size_t ptile = k16 ? size_t(kTile) * ldp * sizeof(T) : 0;
+  static constexpr size_t otile = size_t(kTile) * ldo * sizeof(float);
+  static constexpr size_t rows = size_t(kTile) * 4;  // one 64-entry f32 or i32 array
+  static constexpr size_t forward = 3 * tile + stile + ptile + otile + 4 * rows;
+  static constexpr size_t dkdv = 4 * tile + 2 * stile + 2 * ptile + 2 * otile + 6 * rows;
+  static constexpr size_t dq = 4 * tile + 2 * stile + 2 * ptile + otile + 6 * rows;
+  static constexpr size_t most = forward > dkdv ? (forward > dq ? forward : dq) : (dkdv > dq ? dkdv : dq);
+};
+
+// Bump allocator over the dynamic shared memory.
+struct Carve {
+  char* p;
+  template <class X>
+  __device__ X* take(size_t bytes) {
+    X* r = reinterpret_cast<X*>(p);
+    p += bytes;
+    return r;
+  }
+};
+
+// The call's sizes and mask, as the kernels read them.
+struct Params {
+  int64_t batch, hq, hkv, t, s;
+  float scale;
+  bool causal;
+  int64_t offset;                        // causal by index: query i sees key j iff j <= i + offset
+  const int32_t *q_doc, *k_doc;          // (B, T), (B, S) or null
+  const int32_t *q_pos, *k_pos;          // (B, T), (B, S) or null (causal by position)
+  bool vec;                              // every (64, D) tile row is 16-byte aligned
+  __host__ __device__ bool by_pos() const { return causal && q_pos != nullptr; }
+};
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Min and max of a[0, n) (n >= 1), read by one warp from global memory; every lane gets them.
+__device__ __forceinline__ void warp_minmax(const int32_t* a, int n, int& lo, int& hi) {
+  const int lane = threadIdx.x & 31;
+  lo = INT_MAX;
+  hi = INT_MIN;
+  for (int i = lane; i < n; i += 32) {
+    lo = min(lo, a[i]);
+    hi = max(hi, a[i]);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+}
+
+// Whether the tile of queries [q0, q0 + nq) and keys [k0, k0 + nk) of batch row b has a pair
+// the position or document mask lets through (causal by index is handled by loop bounds).
+// Every warp computes the same answer, so the block branches uniformly.
+__device__ bool tile_open(const Params& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk) {
+  int qlo, qhi, klo, khi;
+  if (p.by_pos()) {
+    warp_minmax(p.q_pos + b * p.t + q0, nq, qlo, qhi);
+    warp_minmax(p.k_pos + b * p.s + k0, nk, klo, khi);
+    if (klo > qhi) return false;
+  }
+  if (p.q_doc) {
+    warp_minmax(p.q_doc + b * p.t + q0, nq, qlo, qhi);
+    warp_minmax(p.k_doc + b * p.s + k0, nk, klo, khi);
+    if (qhi < klo || khi < qlo) return false;
+  }
+  return true;
+}
+
+// Keys [k0, k0 + 64) a query block [q0, q0 + nq) may see under the causal rule by index: up to
+// key q0 + nq - 1 + offset (exclusive end, clamped to [0, S]).
+__device__ __forceinline__ int64_t causal_end(const Params& p, int64_t q0, int nq) {
+  if (!p.causal || p.by_pos()) return p.s;
+  const int64_t e = q0 + nq + p.offset;
+  return e < 0 ? 0 : (e > p.s ? p.s : e);
+}
+// The first query a key block [k0, ...) is seen by under the causal rule by index.
+__device__ __forceinline__ int64_t causal_begin(const Params& p, int64_t k0) {
+  if (!p.causal || p.by_pos()) return 0;
+  const int64_t b = k0 - p.offset;
+  return b < 0 ? 0 : b;
+}
+
+// Rows [0, n) of a (rows, D) matrix at src into a (64, D) tile with row stride ld; rows n..63
+// are zero (a zero V row times a zero probability must stay 0, never NaN).
+template <class T, int kD>
+__device__ void load_tile(T* dst, int ld, const T* __restrict__ src, int n, bool vec) {
+  constexpr int V = 16 / sizeof(T);
+  if (vec) {
+    constexpr int per_row = kD / V;
+    for (int i = threadIdx.x; i < kTile * per_row; i += kThreads) {
+      const int r = i / per_row, c = (i % per_row) * V;
+      Pack<T, V> v;
+      if (r < n) {
+        v = *reinterpret_cast<const Pack<T, V>*>(src + int64_t(r) * kD + c);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v.v[j] = Num<T>::store(0.f);
+      }
+      *reinterpret_cast<Pack<T, V>*>(dst + r * ld + c) = v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < kTile * kD; i += kThreads) {
+      const int r = i / kD, c = i % kD;
+      dst[r * ld + c] = r < n ? src[int64_t(r) * kD + c] : Num<T>::store(0.f);
+    }
+  }
+}
+
+// Entries [0, n) of a 64-entry array (the rest `fill`), or all `fill` when src is null.
+template <class X>
+__device__ void load_row(X* dst, const X* __restrict__ src, int n, X fill) {
+  for (int i = threadIdx.x; i < kTile; i += kThreads) dst[i] = (src && i < n) ? src[i] : fill;
+}
+
+// C (16, n) (+)= A (16, kk) B (kk, n), one warp. A(m, k) = kAT ? A[k * lda + m] : A[m * lda + k];
+// B(k, n) = kBT ? B[n * ldb + k] : B[k * ldb + n]; C f32 row-major.
+template <class T, bool kAT, bool kBT, int kN, int kK>
+__device__ __forceinline__ void warp_mm(float* C, int ldc, bool acc, const T* A, int lda, const T* B, int ldb) {
+  if constexpr (Mma<T>::kTensor) {
+    namespace w = nvcuda::wmma;
+    using E = typename Mma<T>::E;
+    using LA = std::conditional_t<kAT, w::col_major, w::row_major>;
+    using LB = std::conditional_t<kBT, w::col_major, w::row_major>;
+    const E* a = reinterpret_cast<const E*>(A);
+    const E* b = reinterpret_cast<const E*>(B);
+#pragma unroll
+    for (int n0 = 0; n0 < kN; n0 += 16) {
+      w::fragment<w::accumulator, 16, 16, 16, float> c;
+      if (acc) w::load_matrix_sync(c, C + n0, ldc, w::mem_row_major);
+      else w::fill_fragment(c, 0.f);
+#pragma unroll
+      for (int k0 = 0; k0 < kK; k0 += 16) {
+        w::fragment<w::matrix_a, 16, 16, 16, E, LA> fa;
+        w::fragment<w::matrix_b, 16, 16, 16, E, LB> fb;
+        w::load_matrix_sync(fa, a + (kAT ? k0 * lda : k0), lda);
+        w::load_matrix_sync(fb, b + (kBT ? n0 * ldb + k0 : k0 * ldb + n0), ldb);
+        w::mma_sync(c, fa, fb, c);
+      }
+      w::store_matrix_sync(C + n0, c, ldc, w::mem_row_major);
+    }
+  } else {
+    const int lane = threadIdx.x & 31;
+    for (int i = lane; i < kWarpRows * kN; i += 32) {
+      const int m = i / kN, n = i % kN;
+      float s = 0.f;
+#pragma unroll 8
+      for (int k = 0; k < kK; ++k) {
+        const float av = Num<T>::load(kAT ? A[k * lda + m] : A[m * lda + k]);
+        const float bv = Num<T>::load(kBT ? B[n * ldb + k] : B[k * ldb + n]);
+        s = fmaf(av, bv, s);
+      }
+      C[m * ldc + n] = acc ? C[m * ldc + n] + s : s;
+    }
+  }
+  __syncwarp();
+}
+
+// Whether local query row i (global q0 + i, batch b) sees local key j (global k0 + j); qd/kd,
+// qp/kp are the tile's documents and positions in shared memory.
+__device__ __forceinline__ bool sees(const Params& p, int64_t q0, int i, int64_t k0, int j, const int32_t* qd,
+                                     const int32_t* kd, const int32_t* qp, const int32_t* kp) {
+  if (q0 + i >= p.t || k0 + j >= p.s) return false;
+  if (p.causal) {
+    if (p.q_pos) {
+      if (kp[j] > qp[i]) return false;
+    } else if (k0 + j > q0 + i + p.offset) {
+      return false;
+    }
+  }
+  return !p.q_doc || qd[i] == kd[j];
+}
+
+template <class T, int kD>
+__global__ void __launch_bounds__(kThreads) attention_forward_kernel(Params p, T* __restrict__ out,
+                                                                     float* __restrict__ lse, const T* __restrict__ q,
+                                                                     const T* __restrict__ k,
+                                                                     const T* __restrict__ v) {
+  using L = Smem<T, kD>;
+  extern __shared__ __align__(128) char smem[];
+  Carve cv{smem};
+  T* Qs = cv.take<T>(L::tile);
+  T* Ks = cv.take<T>(L::tile);
+  T* Vs = cv.take<T>(L::tile);
+  float* S = cv.take<float>(L::stile);
+  T* P = L::k16 ? cv.take<T>(L::ptile) : reinterpret_cast<T*>(S);
+  constexpr int ldp = L::k16 ? L::ldp : L::lds;
+  float* O = cv.take<float>(L::otile);
+  int32_t* qd = cv.take<int32_t>(L::rows);
+  int32_t* kd = cv.take<int32_t>(L::rows);
+  int32_t* qp = cv.take<int32_t>(L::rows);
+  int32_t* kp = cv.take<int32_t>(L::rows);
+
+  // Later query blocks see more keys under a causal mask: they get the low block indices.
+  const int64_t nqb = (p.t + kTile - 1) / kTile;
+  const int64_t bh = int64_t(blockIdx.x) % (p.batch * p.hq);
+  const int64_t q0 = (nqb - 1 - int64_t(blockIdx.x) / (p.batch * p.hq)) * kTile;
+  const int64_t b = bh / p.hq, h = bh % p.hq, kvh = h / (p.hq / p.hkv);
+  const int nq = int(imin(kTile, p.t - q0));
+  const int64_t qrow = bh * p.t + q0;            // first row of q, out, lse
+  const int64_t krow = (b * p.hkv + kvh) * p.s;  // first row of k, v
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
+
+  load_tile<T, kD>(Qs, L::ld, q + qrow * kD, nq, p.vec);
+  load_row(qd, p.q_doc ? p.q_doc + b * p.t + q0 : nullptr, nq, 0);
+  load_row(qp, p.by_pos() ? p.q_pos + b * p.t + q0 : nullptr, nq, 0);
+  for (int i = threadIdx.x; i < kTile * L::ldo; i += kThreads) O[i] = 0.f;
+  __syncthreads();  // O is read by its rows' warp even when no tile is open
+
+  float m[kWarpRows], l[kWarpRows];  // running max and sum of this warp's rows (every lane)
+#pragma unroll
+  for (int r = 0; r < kWarpRows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  const int64_t k_end = causal_end(p, q0, nq);
+  for (int64_t k0 = 0; k0 < k_end; k0 += kTile) {
+    const int nk = int(imin(kTile, p.s - k0));
+    if (!tile_open(p, b, q0, nq, k0, nk)) continue;
+    __syncthreads();  // the previous tile's K, V are no longer read
+    load_tile<T, kD>(Ks, L::ld, k + (krow + k0) * kD, nk, p.vec);
+    load_tile<T, kD>(Vs, L::ld, v + (krow + k0) * kD, nk, p.vec);
+    load_row(kd, p.k_doc ? p.k_doc + b * p.s + k0 : nullptr, nk, 0);
+    load_row(kp, p.by_pos() ? p.k_pos + b * p.s + k0 : nullptr, nk, 0);
+    __syncthreads();
+
+    warp_mm<T, false, true, kTile, kD>(S + r0 * L::lds, L::lds, false, Qs + r0 * L::ld, L::ld, Ks, L::ld);
+#pragma unroll
+    for (int rr = 0; rr < kWarpRows; ++rr) {
+      const int r = r0 + rr;
+      float x[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int j = lane + 32 * c;
+        x[c] = sees(p, q0, r, k0, j, qd, kd, qp, kp) ? S[r * L::lds + j] * p.scale : -INFINITY;
+      }
+      const float mx = fmaxf(m[rr], warp_max(fmaxf(x[0], x[1])));
+      float alpha = 1.f, pr[2] = {0.f, 0.f};
+      if (mx != -INFINITY) {
+        alpha = __expf(m[rr] - mx);  // 0 when nothing was seen before
+#pragma unroll
+        for (int c = 0; c < 2; ++c) pr[c] = x[c] == -INFINITY ? 0.f : __expf(x[c] - mx);
+        m[rr] = mx;
+      }
+      __syncwarp();  // every lane has read its S entries before P (which may alias S) is written
+#pragma unroll
+      for (int c = 0; c < 2; ++c) P[r * ldp + lane + 32 * c] = Num<T>::store(pr[c]);
+      l[rr] = l[rr] * alpha + warp_sum(pr[0] + pr[1]);
+      if (alpha != 1.f)
+        for (int c = lane; c < kD; c += 32) O[r * L::ldo + c] *= alpha;
+    }
+    __syncwarp();
+    warp_mm<T, false, false, kD, kTile>(O + r0 * L::ldo, L::ldo, true, P + r0 * ldp, ldp, Vs, L::ld);
+  }
+
+#pragma unroll
+  for (int rr = 0; rr < kWarpRows; ++rr) {
+    const int r = r0 + rr;
+    if (r >= nq) break;
+    const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;  // a query that sees no key: out 0
+    T* o = out + (qrow + r) * kD;
+    for (int c = lane; c < kD; c += 32) o[c] = Num<T>::store(O[r * L::ldo + c] * inv);
+    if (lane == 0) lse[qrow + r] = l[rr] > 0.f ? m[rr] + logf(l[rr]) : -INFINITY;
+  }
+}
+
+// delta[r] = sum_j dO[r, j] O[r, j] - dlse[r]; one warp a row.
+template <class T>
+__global__ void __launch_bounds__(kThreads) attention_delta_kernel(float* __restrict__ delta, const T* __restrict__ dout,
+                                                                   const T* __restrict__ out,
+                                                                   const float* __restrict__ dlse, int64_t rows,
+                                                                   int d) {
+  const int lane = threadIdx.x & 31;
+  const int64_t step = int64_t(gridDim.x) * kWarps;
+  for (int64_t r = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < rows; r += step) {
+    float acc = 0.f;
+    for (int j = lane; j < d; j += 32) acc += Num<T>::load(dout[r * d + j]) * Num<T>::load(out[r * d + j]);
+    acc = warp_sum(acc);
+    if (lane == 0) delta[r] = acc - (dlse ? dlse[r] : 0.f);
+  }
+}
+
+// The backward's shared tiles: Q, dO (query block), K, V (key block), S and dP (f32), P and dS
+// (T; in S and dP for f32), the query rows' lse and delta, documents and positions.
+template <class T, int kD>
+struct GradTiles {
+  using L = Smem<T, kD>;
+  static constexpr int ldp = L::k16 ? L::ldp : L::lds;
+  T *Qs, *dOs, *Ks, *Vs;
+  float *S, *dP;
+  T *P, *dS;
+  float *lse, *delta;
+  int32_t *qd, *kd, *qp, *kp;
+
+  __device__ explicit GradTiles(Carve& cv) {
+    Qs = cv.take<T>(L::tile);
+    dOs = cv.take<T>(L::tile);
+    Ks = cv.take<T>(L::tile);
+    Vs = cv.take<T>(L::tile);
+    S = cv.take<float>(L::stile);
+    dP = cv.take<float>(L::stile);
+    P = L::k16 ? cv.take<T>(L::ptile) : reinterpret_cast<T*>(S);
+    dS = L::k16 ? cv.take<T>(L::ptile) : reinterpret_cast<T*>(dP);
+    lse = cv.take<float>(L::rows);
+    delta = cv.take<float>(L::rows);
+    qd = cv.take<int32_t>(L::rows);
+    kd = cv.take<int32_t>(L::rows);
+    qp = cv.take<int32_t>(L::rows);
+    kp = cv.take<int32_t>(L::rows);
+  }
+
+  // This warp's rows of P = exp(scale S - lse) (0 where masked or the row sees nothing) and
+  // dS = P ∘ (dO Vᵀ - delta), for queries [q0, ...) against keys [k0, ...).
+  __device__ void grads(const Params& p, int64_t q0, int64_t k0) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
+    warp_mm<T, false, true, kTile, kD>(S + r0 * L::lds, L::lds, false, Qs + r0 * L::ld, L::ld, Ks, L::ld);
+    warp_mm<T, false, true, kTile, kD>(dP + r0 * L::lds, L::lds, false, dOs + r0 * L::ld, L::ld, Vs, L::ld);
+    for (int rr = 0; rr < kWarpRows; ++rr) {
+      const int r = r0 + rr;
+      const float lr = lse[r], dr = delta[r];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int j = lane + 32 * c;
+        const float pr = (lr != -INFINITY && sees(p, q0, r, k0, j, qd, kd, qp, kp))
+                             ? __expf(S[r * L::lds + j] * p.scale - lr)
+                             : 0.f;
+        const float ds = pr * (dP[r * L::lds + j] - dr);
+        P[r * ldp + j] = Num<T>::store(pr);  // the same lane read S[r, j] and dP[r, j] (f32 aliasing)
+        dS[r * ldp + j] = Num<T>::store(ds);
+      }
+    }
+    __syncwarp();
+  }
+};
+
+// dK, dV of one key block of one kv head, over the query heads of its group and the query
+// blocks that see it; dK = scale · Σ dSᵀ Q, dV = Σ Pᵀ dO. Warp w owns key rows [16w, 16w + 16).
+template <class T, int kD>
+__global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(Params p, T* __restrict__ dk, T* __restrict__ dv,
+                                                                  const T* __restrict__ dout,
+                                                                  const T* __restrict__ q, const T* __restrict__ k,
+                                                                  const T* __restrict__ v,
+                                                                  const float* __restrict__ lse,
+                                                                  const float* __restrict__ delta) {
+  using L = Smem<T, kD>;
+  using G = GradTiles<T, kD>;
+  extern __shared__ __align__(128) char smem[];
+  Carve cv{smem};
+  G g(cv);
+  float* dKs = cv.take<float>(L::otile);
+  float* dVs = cv.take<float>(L::otile);
+
+  const int64_t bkv = int64_t(blockIdx.x) % (p.batch * p.hkv);
+  const int64_t k0 = (int64_t(blockIdx.x) / (p.batch * p.hkv)) * kTile;
+  const int64_t b = bkv / p.hkv, kvh = bkv % p.hkv, group = p.hq / p.hkv;
+  const int nk = int(imin(kTile, p.s - k0));
+  const int64_t krow = bkv * p.s + k0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
+
+  load_tile<T, kD>(g.Ks, L::ld, k + krow * kD, nk, p.vec);
+  load_tile<T, kD>(g.Vs, L::ld, v + krow * kD, nk, p.vec);
+  load_row(g.kd, p.k_doc ? p.k_doc + b * p.s + k0 : nullptr, nk, 0);
+  load_row(g.kp, p.by_pos() ? p.k_pos + b * p.s + k0 : nullptr, nk, 0);
+  for (int i = threadIdx.x; i < kTile * L::ldo; i += kThreads) dKs[i] = dVs[i] = 0.f;
+  __syncthreads();
+
+  const int64_t q_begin = (causal_begin(p, k0) / kTile) * kTile;
+  for (int64_t hg = 0; hg < group; ++hg) {
+    const int64_t h = kvh * group + hg;
+    for (int64_t q0 = q_begin; q0 < p.t; q0 += kTile) {
+      const int nq = int(imin(kTile, p.t - q0));
+      if (!tile_open(p, b, q0, nq, k0, nk)) continue;
+      const int64_t qrow = (b * p.hq + h) * p.t + q0;
+      __syncthreads();  // the previous query block's tiles are no longer read
+      load_tile<T, kD>(g.Qs, L::ld, q + qrow * kD, nq, p.vec);
+      load_tile<T, kD>(g.dOs, L::ld, dout + qrow * kD, nq, p.vec);
+      load_row(g.lse, lse + qrow, nq, -INFINITY);
+      load_row(g.delta, delta + qrow, nq, 0.f);
+      load_row(g.qd, p.q_doc ? p.q_doc + b * p.t + q0 : nullptr, nq, 0);
+      load_row(g.qp, p.by_pos() ? p.q_pos + b * p.t + q0 : nullptr, nq, 0);
+      __syncthreads();
+      g.grads(p, q0, k0);
+      __syncthreads();  // P and dS complete: the products below read every query row
+      // dV[keys] += Pᵀ dO, dK[keys] += dSᵀ Q: A = Pᵀ is P read column-major from column r0.
+      warp_mm<T, true, false, kD, kTile>(dVs + r0 * L::ldo, L::ldo, true, g.P + r0, G::ldp, g.dOs, L::ld);
+      warp_mm<T, true, false, kD, kTile>(dKs + r0 * L::ldo, L::ldo, true, g.dS + r0, G::ldp, g.Qs, L::ld);
+    }
+  }
+  for (int rr = 0; rr < kWarpRows; ++rr) {
+    const int r = r0 + rr;
+    if (r >= nk) break;
+    for (int c = lane; c < kD; c += 32) {
+      dk[(krow + r) * kD + c] = Num<T>::store(dKs[r * L::ldo + c] * p.scale);
+      dv[(krow + r) * kD + c] = Num<T>::store(dVs[r * L::ldo + c]);
+    }
+  }
+}
+
+// dQ of one query block of one head over the key blocks it sees; dQ = scale · Σ dS K.
+template <class T, int kD>
+__global__ void __launch_bounds__(kThreads) attention_dq_kernel(Params p, T* __restrict__ dq, const T* __restrict__ dout,
+                                                                const T* __restrict__ q, const T* __restrict__ k,
+                                                                const T* __restrict__ v,
+                                                                const float* __restrict__ lse,
+                                                                const float* __restrict__ delta) {
+  using L = Smem<T, kD>;
+  using G = GradTiles<T, kD>;
+  extern __shared__ __align__(128) char smem[];
+  Carve cv{smem};
+  G g(cv);
+  float* dQs = cv.take<float>(L::otile);
+
+  const int64_t nqb = (p.t + kTile - 1) / kTile;
+  const int64_t bh = int64_t(blockIdx.x) % (p.batch * p.hq);
+  const int64_t q0 = (nqb - 1 - int64_t(blockIdx.x) / (p.batch * p.hq)) * kTile;
+  const int64_t b = bh / p.hq, h = bh % p.hq, kvh = h / (p.hq / p.hkv);
+  const int nq = int(imin(kTile, p.t - q0));
+  const int64_t qrow = bh * p.t + q0, krow = (b * p.hkv + kvh) * p.s;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
+
+  load_tile<T, kD>(g.Qs, L::ld, q + qrow * kD, nq, p.vec);
+  load_tile<T, kD>(g.dOs, L::ld, dout + qrow * kD, nq, p.vec);
+  load_row(g.lse, lse + qrow, nq, -INFINITY);
+  load_row(g.delta, delta + qrow, nq, 0.f);
+  load_row(g.qd, p.q_doc ? p.q_doc + b * p.t + q0 : nullptr, nq, 0);
+  load_row(g.qp, p.by_pos() ? p.q_pos + b * p.t + q0 : nullptr, nq, 0);
+  for (int i = threadIdx.x; i < kTile * L::ldo; i += kThreads) dQs[i] = 0.f;
+  __syncthreads();
+
+  const int64_t k_end = causal_end(p, q0, nq);
+  for (int64_t k0 = 0; k0 < k_end; k0 += kTile) {
+    const int nk = int(imin(kTile, p.s - k0));
+    if (!tile_open(p, b, q0, nq, k0, nk)) continue;
+    __syncthreads();
+    load_tile<T, kD>(g.Ks, L::ld, k + (krow + k0) * kD, nk, p.vec);
+    load_tile<T, kD>(g.Vs, L::ld, v + (krow + k0) * kD, nk, p.vec);
+    load_row(g.kd, p.k_doc ? p.k_doc + b * p.s + k0 : nullptr, nk, 0);
+    load_row(g.kp, p.by_pos() ? p.k_pos + b * p.s + k0 : nullptr, nk, 0);
+    __syncthreads();
+    g.grads(p, q0, k0);
+    warp_mm<T, false, false, kD, kTile>(dQs + r0 * L::ldo, L::ldo, true, g.dS + r0 * G::ldp, G::ldp, g.Ks, L::ld);
+  }
+  for (int rr = 0; rr < kWarpRows; ++rr) {
+    const int r = r0 + rr;
+    if (r >= nq) break;
+    for (int c = lane; c < kD; c += 32) dq[(qrow + r) * kD + c] = Num<T>::store(dQs[r * L::ldo + c] * p.scale);
+  }
+}
+
+// ---- host side -------------------------------------------------------------------------------
+
+// Opt-in shared memory per block of the current device (cached per device).
+size_t smem_optin() {
+  static size_t cache[64] = {};
+  int dev = 0;
+  QUILT_CHECK_CUDA(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cache[dev] == 0) {
+    int v = 0;
+    QUILT_CHECK_CUDA(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    cache[dev] = size_t(v);
+  }
+  return cache[dev];
+}
+
+template <class T, int kD>
+bool fits() {
+  return Smem<T, kD>::most <= smem_optin();
+}
+
+Params params(const AttentionArgs& a, const void* const* ptrs, int n_ptrs) {
+  bool vec = true;
+  for (int i = 0; i < n_ptrs; ++i) vec = vec && (ptrs[i] == nullptr || aligned_to(ptrs[i], 16));
+  return Params{a.batch, a.q_heads, a.kv_heads, a.t, a.s, float(a.scale), a.causal, a.causal_offset,
+                a.q_doc, a.k_doc, a.q_pos, a.k_pos, vec};
+}
+
+unsigned grid_of(int64_t blocks, const char* what) {
+  if (blocks > int64_t(INT_MAX)) fail_msg(what, "too many (batch, head, block) tiles for one grid");
+  return unsigned(blocks);
+}
+
+// Lets `kernel` use `smem` bytes of dynamic shared memory (over the 48 KB default).
+template <class K>
+void allow_smem(K kernel, size_t smem, const char* what) {
+  if (smem > smem_optin()) fail_msg(what, "needs more shared memory than this device gives a block");
+  QUILT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+}
+
+template <class T, int kD>
+void forward_impl(const AttentionArgs& a, void* out, void* lse, const void* q, const void* k, const void* v,
+                  cudaStream_t stream) {
+  const void* ptrs[] = {out, q, k, v};
+  const Params p = params(a, ptrs, 4);
+  const int64_t nqb = (a.t + kTile - 1) / kTile;
+  const unsigned grid = grid_of(a.batch * a.q_heads * nqb, "scaled_dot_product_attention");
+  constexpr size_t smem = Smem<T, kD>::forward;
+  auto kernel = attention_forward_kernel<T, kD>;
+  allow_smem(kernel, smem, "scaled_dot_product_attention");
+  kernel<<<grid, kThreads, smem, stream>>>(p, static_cast<T*>(out), static_cast<float*>(lse),
+                                           static_cast<const T*>(q), static_cast<const T*>(k),
+                                           static_cast<const T*>(v));
+  QUILT_CHECK_LAUNCH();
+}
+
+template <class T, int kD>
+void backward_impl(const AttentionArgs& a, void* dq, void* dk, void* dv, const void* dout, const void* dlse,
+                   const void* q, const void* k, const void* v, const void* out, const void* lse,
+                   cudaStream_t stream) {
+  constexpr const char* kWhat = "scaled_dot_product_attention_backward";
+  const void* ptrs[] = {dq, dk, dv, dout, q, k, v, out};
+  const Params p = params(a, ptrs, 8);
+  const int64_t rows = a.batch * a.q_heads * a.t;
+  float* delta = nullptr;
+  if (rows > 0) {
+    delta = static_cast<float*>(workspace_alloc(size_t(rows) * sizeof(float), stream));
+    attention_delta_kernel<T><<<grid_for(rows, kWarps), kThreads, 0, stream>>>(
+        delta, static_cast<const T*>(dout), static_cast<const T*>(out), static_cast<const float*>(dlse), rows, kD);
+    QUILT_CHECK_LAUNCH();
+  }
+  const int64_t nkb = (a.s + kTile - 1) / kTile, nqb = (a.t + kTile - 1) / kTile;
+  if (a.batch * a.kv_heads * nkb > 0) {  // with T = 0 this writes dK = dV = 0
+    const unsigned grid = grid_of(a.batch * a.kv_heads * nkb, kWhat);
+    constexpr size_t smem = Smem<T, kD>::dkdv;
+    auto kernel = attention_dkdv_kernel<T, kD>;
+    allow_smem(kernel, smem, kWhat);
+    kernel<<<grid, kThreads, smem, stream>>>(p, static_cast<T*>(dk), static_cast<T*>(dv),
+                                             static_cast<const T*>(dout), static_cast<const T*>(q),
+                                             static_cast<const T*>(k), static_cast<const T*>(v),
+                                             static_cast<const float*>(lse), delta);
+    QUILT_CHECK_LAUNCH();
+  }
+  if (rows > 0) {  // with S = 0 this writes dQ = 0
+    const unsigned grid = grid_of(a.batch * a.q_heads * nqb, kWhat);
+    constexpr size_t smem = Smem<T, kD>::dq;
+    auto kernel = attention_dq_kernel<T, kD>;
+    allow_smem(kernel, smem, kWhat);
+    kernel<<<grid, kThreads, smem, stream>>>(p, static_cast<T*>(dq), static_cast<const T*>(dout),
+                                             static_cast<const T*>(q), static_cast<const T*>(k),
+                                             static_cast<const T*>(v), static_cast<const float*>(lse), delta);
+    QUILT_CHECK_LAUNCH();
+    workspace_free(delta, stream);
+  }
+}
+
+// Calls f.template operator()<T, kD>() for the call's dtype and head dim.
+template <class F>
+void dispatch(DType dt, int64_t d, const char* what, F&& f) {
+  auto by_dim = [&]<class T>() {
+    if (d == 64) f.template operator()<T, 64>();
+    else if (d == 128) f.template operator()<T, 128>();
+    else fail_msg(what, "head dim must be 64 or 128 (others take the composite)");
+  };
+  switch (dt) {
+    case DType::f32: by_dim.template operator()<float>(); break;
+    case DType::bf16: by_dim.template operator()<BFloat16>(); break;
+    case DType::f16: by_dim.template operator()<Half>(); break;
+    default: fail_dtype(what, dt);
+  }
+}
+
+void check_args(const AttentionArgs& a, const char* what) {
+  if (a.d != a.dv) fail_msg(what, "q/k and v head dims must be equal");
+  if (a.kv_heads <= 0 || a.q_heads % a.kv_heads != 0) fail_msg(what, "query heads must be a multiple of kv heads");
+  if ((a.q_doc == nullptr) != (a.k_doc == nullptr)) fail_msg(what, "give both query and key documents");
+  if (a.causal && (a.q_pos == nullptr) != (a.k_pos == nullptr)) fail_msg(what, "give both query and key positions");
+}
+
+}  // namespace
+
+bool attention_supported(DType dt, int64_t d, int64_t dv) {
+  if (d != dv || (d != 64 && d != 128)) return false;
+  if (dt != DType::f32 && dt != DType::bf16 && dt != DType::f16) return false;
+  bool ok = false;
+  dispatch(dt, d, "scaled_dot_product_attention", [&]<class T, int kD>() { ok = fits<T, kD>(); });
+  return ok;
+}
+
+void attention_forward(DType dt, const AttentionArgs& a, void* out, void* lse, const void* q, const void* k,
+                       const void* v, void* stream) {
+  constexpr const char* kWhat = "scaled_dot_product_attention";
+  if (a.batch == 0 || a.q_heads == 0 || a.t == 0) return;
+  check_args(a, kWhat);
+  dispatch(dt, a.d, kWhat,
+           [&]<class T, int kD>() { forward_impl<T, kD>(a, out, lse, q, k, v, as_stream(stream)); });
+}
+
+void attention_backward(DType dt, const AttentionArgs& a, void* dq, void* dk, void* dv, const void* dout,
+                        const void* dlse, const void* q, const void* k, const void* v, const void* out,
+                        const void* lse, void* stream) {
+  constexpr const char* kWhat = "scaled_dot_product_attention_backward";
+  if (a.batch == 0 || a.q_heads == 0) return;
+  check_args(a, kWhat);
+  dispatch(dt, a.d, kWhat, [&]<class T, int kD>() {
+    backward_impl<T, kD>(a, dq, dk, dv, dout, dlse, q, k, v, out, lse, as_stream(stream));
+  });
+}
+
+}  // namespace quilt::kernels::cuda
