@@ -26,7 +26,13 @@ class CudaBackend final : public PoolBackend {
   void* malloc(size_t bytes) override {
     cuda_detail::DeviceGuard g(device_);
     void* p = nullptr;
+    // A graph capture in global mode refuses cudaMalloc on this thread, but a new segment for
+    // the capture's private pool must come from it (it enqueues nothing the graph would miss):
+    // this thread relaxes its capture mode for the call and restores it after.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    QUILT_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
     const cudaError_t err = cudaMalloc(&p, bytes);
+    cudaThreadExchangeStreamCaptureMode(&mode);
     if (err == cudaErrorMemoryAllocation) {
       cudaGetLastError();  // not sticky: clear it so the retry and later calls start clean
       return nullptr;
