@@ -4,6 +4,13 @@
 // gradient back through their indices, cumsum <-> reversed cumsum). cat is a primitive too,
 // but its forward is empty + copy_ into narrow views, so it runs on any device. stack, split,
 // chunk, argsort and one_hot are compositions of other ops.
+//
+// CUDA kernels (kernels/cuda/nn.h) run all six primitives. Index ranges are checked only for
+// CPU indices: checking CUDA ones would copy them to the host and synchronise inside the op.
+// On the device an out-of-range index reads zero (gather, index_select) or is skipped
+// (scatter_add, index_add), so a bad index gives wrong numbers, never a wild memory access.
+// A device-side error flag, reported later, would be the next step. CUDA sort/topk takes rows
+// of at most kernels::cuda::kSortMaxRow elements.
 #include "engine/ops/index.h"
 
 #include <array>
@@ -15,6 +22,7 @@
 #include "engine/ops/view.h"
 #include "engine/primitive.h"
 #include "kernels/cpu/index.h"
+#include "kernels/cuda/nn.h"
 
 namespace quilt {
 namespace {
@@ -30,8 +38,9 @@ void check_index_dtype(const char* op, const Tensor& index) {
 }
 
 // Throws naming the op, the first offending extreme and the dim's size unless every index
-// lies in [0, size).
+// lies in [0, size). CPU indices only (see the top of this file); device kernels bound them.
 void check_index_range(const char* op, const Tensor& index, int64_t dim, int64_t size) {
+  if (!index.device().is_cpu()) return;
   auto loop = ops::loop_over<1>(index.shape(), {&index});
   int64_t lo = 0, hi = 0;
   if (!kernels::cpu::index_range(index.dtype(), loop, &lo, &hi)) return;
@@ -56,7 +65,8 @@ void gather_into(const Tensor& x, int64_t dim, const Tensor& index, const Shape&
   l.self_dim_stride = xs[size_t(dim)];
   xs[size_t(dim)] = 0;
   l.loop = make_loop3(dims_of(out), {xs, istr, strides_of(out)}, {x.data_ptr(), index.data_ptr(), out.data_ptr()});
-  kernels::cpu::gather(x.dtype(), index.dtype(), l);
+  if (x.device().is_cpu()) kernels::cpu::gather(x.dtype(), index.dtype(), l);
+  else kernels::cuda::gather(x.dtype(), index.dtype(), l, dims_of(x)[size_t(dim)], ops::stream_handle(x.device()));
 }
 
 // self[p with dim := index[p]] += src[p] for every position p of src.
@@ -70,7 +80,10 @@ void scatter_add_into(const Tensor& self, int64_t dim, const Tensor& index, cons
   l.other_dim_stride = srs[size_t(dim)];
   shape[size_t(dim)] = 1;  // walked by the kernel in order, outside the loop
   l.loop = make_loop3(shape, {ss, istr, srs}, {self.data_ptr(), index.data_ptr(), src.data_ptr()});
-  kernels::cpu::scatter_add(self.dtype(), index.dtype(), l);
+  if (self.device().is_cpu()) kernels::cpu::scatter_add(self.dtype(), index.dtype(), l);
+  else
+    kernels::cuda::scatter_add(self.dtype(), index.dtype(), l, dims_of(self)[size_t(dim)],
+                               ops::stream_handle(self.device()));
 }
 
 // index_select/index_add see their 1-D index as a tensor of `ndim` dims that varies only along dim.
@@ -101,7 +114,7 @@ class Gather final : public Primitive {
   Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1];
-    require_cpu(name(), in);
+    (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, dims_of(x)[size_t(dim_)]);
     Tensor out = Tensor::empty(index.shape(), {.dtype = x.dtype(), .device = x.device()});
     gather_into(x, dim_, index, strides_of(index), out);
@@ -125,7 +138,7 @@ class ScatterAdd final : public Primitive {
   Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1], &src = in[2];
-    require_cpu(name(), in);
+    (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, dims_of(x)[size_t(dim_)]);
     Tensor out = copy_of(x);
     scatter_add_into(out, dim_, index, strides_of(index), src);
@@ -150,7 +163,7 @@ class IndexSelect final : public Primitive {
   Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1];
-    require_cpu(name(), in);
+    (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, x.size(dim_));
     Shape shape = x.shape();
     shape[size_t(dim_)] = index.numel();
@@ -176,7 +189,7 @@ class IndexAdd final : public Primitive {
   Attrs attrs() const override { return {{"dim", dim_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1], &src = in[2];
-    require_cpu(name(), in);
+    (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, x.size(dim_));
     Tensor out = copy_of(x);
     scatter_add_into(out, dim_, index, broadcast_index_strides(index, size_t(src.dim()), dim_), src);
@@ -241,7 +254,6 @@ class Sort final : public Primitive {
   Attrs attrs() const override { return {{"dim", dim_}, {"k", k_}, {"descending", descending_}}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
-    require_cpu(name(), in);
     Shape shape = x.shape();
     if (x.dim()) shape[size_t(dim_)] = k_;
     Tensor values = Tensor::empty(shape, {.dtype = x.dtype(), .device = x.device()});
@@ -255,7 +267,13 @@ class Sort final : public Primitive {
     for (size_t i = 0; i < 3; ++i) l.dim_strides[i] = st[i][size_t(dim_)];
     rows[size_t(dim_)] = 1;
     l.rows = make_loop3(rows, st, {values.data_ptr(), indices.data_ptr(), x.data_ptr()});
-    kernels::cpu::sort(x.dtype(), l, descending_);
+    if (x.device().is_cpu()) {
+      kernels::cpu::sort(x.dtype(), l, descending_);
+    } else {
+      QUILT_CHECK(l.n <= kernels::cuda::kSortMaxRow, "[", name(), "] on CUDA sorts rows of at most ",
+                  kernels::cuda::kSortMaxRow, " elements, got ", l.n, " along dim ", dim_, " of shape ", x.shape());
+      kernels::cuda::sort(x.dtype(), l, descending_, ops::stream_handle(x.device()));
+    }
     return {values, indices};
   }
   void save(const std::vector<Tensor>&, const std::vector<Tensor>& out) override { saved_ = {out[1].detach()}; }
@@ -278,7 +296,6 @@ class Cumsum final : public Primitive {
   const char* name() const override { return "cumsum"; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
-    require_cpu(name(), in);
     const DType odt = is_floating(x.dtype()) ? x.dtype() : DType::i64;
     Tensor out = Tensor::empty(x.shape(), {.dtype = odt, .device = x.device()});
     if (out.numel() == 0) return {out};
@@ -290,7 +307,8 @@ class Cumsum final : public Primitive {
     for (size_t i = 0; i < 3; ++i) l.dim_strides[i] = st[i][size_t(dim_)];
     rows[size_t(dim_)] = 1;
     l.rows = make_loop3(rows, st, {out.data_ptr(), nullptr, x.data_ptr()});
-    kernels::cpu::cumsum(x.dtype(), odt, l, reverse_);
+    if (x.device().is_cpu()) kernels::cpu::cumsum(x.dtype(), odt, l, reverse_);
+    else kernels::cuda::cumsum(x.dtype(), odt, l, reverse_, ops::stream_handle(x.device()));
     return {out};
   }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {

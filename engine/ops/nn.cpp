@@ -1,7 +1,8 @@
 // Softmax family, cross entropy, norms (and residual add + RMS norm), embedding, swiglu, rotary
 // embedding and dropout. The fused ones are primitives whose backward calls a fused backward
 // primitive (SoftmaxBackward, ...), so every gradient is still an op. Kernels:
-// kernels/cpu/nn.h; CUDA for softmax and cross entropy. swiglu, add_rms_norm and
+// kernels/cpu/nn.h; CUDA (kernels/cuda/kernels.h, nn.h) for softmax, cross entropy, rms_norm,
+// layer_norm and embedding. swiglu, add_rms_norm and
 // rotary_embedding fall back to their composite forms for distributed or device tensors.
 // scaled_dot_product_attention lives in attention.cpp.
 #include "engine/ops/nn.h"
@@ -19,6 +20,7 @@
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/nn.h"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/nn.h"
 
 namespace quilt {
 namespace {
@@ -265,10 +267,14 @@ class RmsNorm final : public Primitive {
     const Tensor x = contiguous(in[0].detach());
     const Tensor w = has_w_ ? contiguous(in[1].detach()) : Tensor();
     const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
-    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype()});
-    Tensor rstd = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype())});
-    kernels::cpu::rms_norm_forward(x.dtype(), y.data_ptr(), rstd.data_ptr(), x.data_ptr(),
-                                   has_w_ ? w.data_ptr() : nullptr, rows, cols, eps_);
+    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+    Tensor rstd = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype()), .device = x.device()});
+    if (x.device().is_cpu())
+      kernels::cpu::rms_norm_forward(x.dtype(), y.data_ptr(), rstd.data_ptr(), x.data_ptr(),
+                                     has_w_ ? w.data_ptr() : nullptr, rows, cols, eps_);
+    else
+      kernels::cuda::rms_norm_forward(x.dtype(), y.data_ptr(), rstd.data_ptr(), x.data_ptr(),
+                                      has_w_ ? w.data_ptr() : nullptr, rows, cols, eps_, stream_of(x));
     return {y, rstd};
   }
   bool differentiable_output(size_t i, const Tensor&) const override { return i == 0; }
@@ -293,10 +299,15 @@ class RmsNormBackward final : public Primitive {
     const Tensor w = has_w_ ? contiguous(in[2].detach()) : Tensor();
     const Tensor rstd = contiguous(in[has_w_ ? 3 : 2].detach());
     const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
-    Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype()});
-    Tensor gw = want_gw_ ? Tensor::empty({cols}, {.dtype = x.dtype()}) : Tensor();
-    kernels::cpu::rms_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr, g.data_ptr(),
-                                    x.data_ptr(), has_w_ ? w.data_ptr() : nullptr, rstd.data_ptr(), rows, cols);
+    Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+    Tensor gw = want_gw_ ? Tensor::empty({cols}, {.dtype = x.dtype(), .device = x.device()}) : Tensor();
+    if (x.device().is_cpu())
+      kernels::cpu::rms_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr, g.data_ptr(),
+                                      x.data_ptr(), has_w_ ? w.data_ptr() : nullptr, rstd.data_ptr(), rows, cols);
+    else
+      kernels::cuda::rms_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr, g.data_ptr(),
+                                       x.data_ptr(), has_w_ ? w.data_ptr() : nullptr, rstd.data_ptr(), rows, cols,
+                                       stream_of(x));
     if (want_gw_) return {gx, gw};
     return {gx};
   }
@@ -491,12 +502,18 @@ class LayerNorm final : public Primitive {
     const Tensor w = has_w_ ? contiguous(in[1].detach()) : Tensor();
     const Tensor b = has_b_ ? contiguous(in[has_w_ ? 2 : 1].detach()) : Tensor();
     const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
-    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype()});
-    Tensor mean = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype())});
-    Tensor rstd = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype())});
-    kernels::cpu::layer_norm_forward(x.dtype(), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), x.data_ptr(),
-                                     has_w_ ? w.data_ptr() : nullptr, has_b_ ? b.data_ptr() : nullptr, rows, cols,
-                                     eps_);
+    const TensorOptions stat{.dtype = stat_dtype(x.dtype()), .device = x.device()};
+    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+    Tensor mean = Tensor::empty(lead_shape(x), stat);
+    Tensor rstd = Tensor::empty(lead_shape(x), stat);
+    if (x.device().is_cpu())
+      kernels::cpu::layer_norm_forward(x.dtype(), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), x.data_ptr(),
+                                       has_w_ ? w.data_ptr() : nullptr, has_b_ ? b.data_ptr() : nullptr, rows, cols,
+                                       eps_);
+    else
+      kernels::cuda::layer_norm_forward(x.dtype(), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), x.data_ptr(),
+                                        has_w_ ? w.data_ptr() : nullptr, has_b_ ? b.data_ptr() : nullptr, rows,
+                                        cols, eps_, stream_of(x));
     return {y, mean, rstd};
   }
   bool differentiable_output(size_t i, const Tensor&) const override { return i == 0; }
@@ -523,12 +540,19 @@ class LayerNormBackward final : public Primitive {
     const Tensor mean = contiguous(in[k].detach());
     const Tensor rstd = contiguous(in[k + 1].detach());
     const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
-    Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype()});
-    Tensor gw = want_gw_ ? Tensor::empty({cols}, {.dtype = x.dtype()}) : Tensor();
-    Tensor gb = want_gb_ ? Tensor::empty({cols}, {.dtype = x.dtype()}) : Tensor();
-    kernels::cpu::layer_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr,
-                                      want_gb_ ? gb.data_ptr() : nullptr, g.data_ptr(), x.data_ptr(),
-                                      has_w_ ? w.data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(), rows, cols);
+    const TensorOptions like_x{.dtype = x.dtype(), .device = x.device()};
+    Tensor gx = Tensor::empty(x.shape(), like_x);
+    Tensor gw = want_gw_ ? Tensor::empty({cols}, like_x) : Tensor();
+    Tensor gb = want_gb_ ? Tensor::empty({cols}, like_x) : Tensor();
+    if (x.device().is_cpu())
+      kernels::cpu::layer_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr,
+                                        want_gb_ ? gb.data_ptr() : nullptr, g.data_ptr(), x.data_ptr(),
+                                        has_w_ ? w.data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(), rows, cols);
+    else
+      kernels::cuda::layer_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr,
+                                         want_gb_ ? gb.data_ptr() : nullptr, g.data_ptr(), x.data_ptr(),
+                                         has_w_ ? w.data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(), rows,
+                                         cols, stream_of(x));
     return {gx, gw, gb};
   }
 
@@ -580,15 +604,22 @@ class Embedding final : public Primitive {
     const Tensor w = contiguous(in[0].detach());
     const Tensor idx = contiguous(in[1].detach());
     const int64_t vocab = w.size(0), dim = w.size(1);
+    Shape os = idx.shape();
+    os.push_back(dim);
+    Tensor out = Tensor::empty(os, {.dtype = w.dtype(), .device = w.device()});
+    if (!w.device().is_cpu()) {
+      // Not checked on the device: a host check would copy the indices back and synchronise
+      // every forward. An out-of-range index yields a zero row (and no gradient) instead.
+      kernels::cuda::embedding_forward(w.dtype(), out.data_ptr(), w.data_ptr(), idx.dtype(), idx.data_ptr(),
+                                       idx.numel(), vocab, dim, stream_of(w));
+      return {out};
+    }
     scan_indices(idx, [&](const auto* p, int64_t n) {
       for (int64_t i = 0; i < n; ++i)
         if (p[i] < 0 || int64_t(p[i]) >= vocab)
           fail("[embedding] index ", int64_t(p[i]), " at position ", i, " is out of range for a vocabulary of ",
                vocab, " rows (weight ", w.shape(), ")");
     });
-    Shape os = idx.shape();
-    os.push_back(dim);
-    Tensor out = Tensor::empty(os, {.dtype = w.dtype()});
     kernels::cpu::embedding_forward(w.dtype(), out.data_ptr(), w.data_ptr(), idx.dtype(), idx.data_ptr(),
                                     idx.numel(), dim);
     return {out};
@@ -609,9 +640,13 @@ class EmbeddingBackward final : public Primitive {
     const Tensor g = contiguous(in[0].detach());
     const Tensor idx = contiguous(in[1].detach());
     const int64_t dim = g.size(-1);
-    Tensor gw = Tensor::empty({vocab_, dim}, {.dtype = g.dtype()});
-    kernels::cpu::embedding_backward(g.dtype(), gw.data_ptr(), g.data_ptr(), idx.dtype(), idx.data_ptr(),
-                                     idx.numel(), vocab_, dim);
+    Tensor gw = Tensor::empty({vocab_, dim}, {.dtype = g.dtype(), .device = g.device()});
+    if (g.device().is_cpu())
+      kernels::cpu::embedding_backward(g.dtype(), gw.data_ptr(), g.data_ptr(), idx.dtype(), idx.data_ptr(),
+                                       idx.numel(), vocab_, dim);
+    else
+      kernels::cuda::embedding_backward(g.dtype(), gw.data_ptr(), g.data_ptr(), idx.dtype(), idx.data_ptr(),
+                                        idx.numel(), vocab_, dim, stream_of(g));
     return {gw};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
@@ -703,7 +738,6 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   QUILT_CHECK(is_index_dtype(indices.dtype()), "[embedding] indices must be i32 or i64, got ",
               dtype_name(indices.dtype()));
   (void)common_device("embedding", {weight, indices});
-  require_cpu("embedding", {weight, indices});
   return apply1(std::make_shared<Embedding>(), {weight, indices});
 }
 
@@ -711,7 +745,6 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   check_norm_input("rms_norm", x, eps);
   const Tensor w = norm_param("rms_norm", "weight", weight, x);
   (void)common_device("rms_norm", {x, w});
-  require_cpu("rms_norm", {x, w});
   std::vector<Tensor> in{x};
   if (w.defined()) in.push_back(w);
   return quilt::apply(std::make_shared<RmsNorm>(eps, w.defined()), in)[0];
@@ -722,7 +755,6 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   const Tensor w = norm_param("layer_norm", "weight", weight, x);
   const Tensor b = norm_param("layer_norm", "bias", bias, x);
   (void)common_device("layer_norm", {x, w, b});
-  require_cpu("layer_norm", {x, w, b});
   std::vector<Tensor> in{x};
   if (w.defined()) in.push_back(w);
   if (b.defined()) in.push_back(b);

@@ -23,7 +23,8 @@ struct AdamWOptions {
 /// Per step t (per parameter, counting its own updates), with g the gradient:
 ///   p <- p * (1 - lr * wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 ///   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-/// State buffers: "exp_avg" (m), "exp_avg_sq" (v). CPU only in this build.
+/// State buffers: "exp_avg" (m), "exp_avg_sq" (v). CPU and CUDA (one multi-tensor launch per
+/// dtype combination, kernels::cuda::adamw_multi).
 class AdamW : public Optimizer {
  public:
   AdamW(std::vector<ParamGroup> groups, AdamWOptions opts = {});
@@ -35,6 +36,7 @@ class AdamW : public Optimizer {
   void update(Tensor& param, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
               double weight_decay) override;
   void update_all(std::vector<Update>& updates) override;
+  void update_all_cuda(std::vector<Update>& updates) override;  // defined in optimizer.cpp
 
  private:
   kernels::cpu::AdamWHyper hyper(int64_t step, double lr, double weight_decay) const;

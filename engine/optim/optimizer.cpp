@@ -1,13 +1,20 @@
-// Optimizer base: groups, keys, the step loop (checks, contiguity, lazy state), state dicts.
+// Optimizer base: groups, keys, the step loop (checks, contiguity, lazy state), state dicts,
+// and the CUDA updates of AdamW and SGD (multi-tensor kernels, kernels/cuda/nn.h).
 #include "engine/optim/optimizer.h"
 
+#include <cmath>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "engine/autograd.h"
 #include "engine/ops/creation.h"
+#include "engine/ops/dispatch.h"
 #include "engine/ops/view.h"
+#include "engine/optim/adamw.h"
+#include "engine/optim/sgd.h"
 #include "engine/primitive.h"
+#include "kernels/cuda/nn.h"
 
 namespace quilt {
 namespace {
@@ -94,6 +101,43 @@ void Optimizer::update_all(std::vector<Update>& updates) {
   for (Update& u : updates) update(u.param, u.grad, u.buffers, u.step, u.lr, u.weight_decay);
 }
 
+void Optimizer::update_all_cuda(std::vector<Update>&) { fail("[", name_, "] has no CUDA implementation"); }
+
+// AdamW's and SGD's CUDA steps live here, beside the loop that routes updates by device, so
+// the per-optimizer files stay CPU-only.
+void AdamW::update_all_cuda(std::vector<Update>& updates) {
+  std::vector<kernels::cuda::AdamWTensor> list;
+  list.reserve(updates.size());
+  for (Update& u : updates) {
+    Tensor& m = u.buffers[0];
+    Tensor& v = u.buffers[1];
+    list.push_back({.param_dt = u.param.dtype(), .grad_dt = u.grad.dtype(), .state_dt = m.dtype(),
+                    .param = u.param.data_ptr(), .grad = u.grad.data_ptr(), .m = m.data_ptr(), .v = v.data_ptr(),
+                    .n = u.param.numel(), .hyper = hyper(u.step, u.lr, u.weight_decay)});
+  }
+  kernels::cuda::adamw_multi(list, ops::stream_handle(updates.front().param.device()));
+}
+
+void SGD::update_all_cuda(std::vector<Update>& updates) {
+  std::vector<kernels::cuda::SgdTensor> list;
+  list.reserve(updates.size());
+  for (Update& u : updates) {
+    kernels::cpu::SgdHyper h;
+    h.lr = u.lr;
+    h.momentum = opts_.momentum;
+    h.dampening = opts_.dampening;
+    h.weight_decay = u.weight_decay;
+    h.nesterov = opts_.nesterov;
+    h.first = u.step == 1;
+    const bool has_buf = !u.buffers.empty();
+    list.push_back({.param_dt = u.param.dtype(), .grad_dt = u.grad.dtype(),
+                    .state_dt = has_buf ? u.buffers[0].dtype() : state_dtype(u.param), .param = u.param.data_ptr(),
+                    .grad = u.grad.data_ptr(), .buf = has_buf ? u.buffers[0].data_ptr() : nullptr,
+                    .n = u.param.numel(), .hyper = h});
+  }
+  kernels::cuda::sgd_multi(list, ops::stream_handle(updates.front().param.device()));
+}
+
 void Optimizer::step() {
   NoGradGuard ng;
   // Every parameter is checked before any state changes, so a bad one leaves the whole step
@@ -116,7 +160,8 @@ void Optimizer::step() {
       // Updates touch only this rank's data: the shard of a distributed parameter.
       Tensor param = p.local();
       Tensor grad = full_grad.local();
-      require_cpu(name_, {param, grad});
+      QUILT_CHECK(param.device() == grad.device(), "[", name_, "] parameter '", gr.keys[i], "' is on ",
+                  param.device().str(), " but its gradient on ", grad.device().str());
       QUILT_CHECK(param.is_contiguous(), "[", name_, "] parameter '", gr.keys[i], "' is not contiguous (shape ",
                   param.shape(), ", strides ", param.strides(), ")");
       if (!grad.is_contiguous()) grad = contiguous(grad);
@@ -137,7 +182,15 @@ void Optimizer::step() {
     for (const Tensor& b : st.buffers) u.buffers.push_back(b.local());
     updates.push_back(std::move(u));
   }
-  update_all(updates);
+  // CPU parameters in one update_all(); CUDA ones per device, one multi-tensor call each.
+  std::vector<Update> cpu_updates;
+  std::map<int, std::vector<Update>> cuda_updates;  // by device index
+  for (Update& u : updates) {
+    if (u.param.device().is_cpu()) cpu_updates.push_back(std::move(u));
+    else cuda_updates[u.param.device().index].push_back(std::move(u));
+  }
+  if (!cpu_updates.empty() || cuda_updates.empty()) update_all(cpu_updates);
+  for (auto& [dev, list] : cuda_updates) update_all_cuda(list);
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

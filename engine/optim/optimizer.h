@@ -92,8 +92,12 @@ class Optimizer {
     double lr = 0, weight_decay = 0;
   };
   /// Applies every update of one step (all groups, in parameter order). The default calls
-  /// update() on each; an optimizer with a multi-tensor kernel overrides it.
+  /// update() on each; an optimizer with a multi-tensor kernel overrides it. CPU tensors only.
   virtual void update_all(std::vector<Update>& updates);
+  /// The same for parameters on one CUDA device (`updates` non-empty, all on that device):
+  /// multi-tensor kernels, queued on the device's current stream. The default throws
+  /// "[<name>] has no CUDA implementation".
+  virtual void update_all_cuda(std::vector<Update>& updates);
   /// Dtype of state buffers for `param`: f64 for f64 parameters, f32 otherwise (also for bf16).
   static DType state_dtype(const Tensor& param) { return param.dtype() == DType::f64 ? DType::f64 : DType::f32; }
 

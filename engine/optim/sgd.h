@@ -21,7 +21,8 @@ struct SGDOptions {
 ///   momentum > 0: buf <- (first step) ? d : momentum * buf + (1 - dampening) * d
 ///                 d <- nesterov ? d + momentum * buf : buf
 ///   p <- p - lr * d
-/// State buffer (when momentum > 0): "momentum_buffer". CPU only in this build.
+/// State buffer (when momentum > 0): "momentum_buffer". CPU and CUDA (multi-tensor,
+/// kernels::cuda::sgd_multi).
 class SGD : public Optimizer {
  public:
   SGD(std::vector<ParamGroup> groups, SGDOptions opts = {});
@@ -32,6 +33,7 @@ class SGD : public Optimizer {
  protected:
   void update(Tensor& param, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
               double weight_decay) override;
+  void update_all_cuda(std::vector<Update>& updates) override;  // defined in optimizer.cpp
 
  private:
   SGDOptions opts_;

@@ -1,0 +1,216 @@
+// CUDA multi-tensor AdamW and SGD: one launch updates every tensor of a dtype combination.
+// The host lays the tensors' chunks end to end (first_chunk, a prefix sum) and uploads one
+// table (tensors) into a stream-ordered workspace buffer; each block finds its tensor by
+// binary search and updates one chunk. Same formulas as kernels/cpu/optim.cpp, in float
+// (double for f64 state).
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/nn.h"
+
+namespace quilt::kernels::cuda {
+namespace {
+
+constexpr int kOptThreads = 256;
+constexpr int64_t kChunk = int64_t(kOptThreads) * 16;  // elements per block
+
+// One AdamW tensor on the device; hyperparameters precomputed in double on the host.
+struct AdamWEntry {
+  void* param;        // (n) P
+  const void* grad;   // (n) G
+  void* m;            // (n) S
+  void* v;            // (n) S
+  int64_t n;
+  int64_t first_chunk;  // chunks of the tensors before this one
+  double beta1, beta2, one_beta1, one_beta2;
+  double decay;         // 1 - lr * weight_decay
+  double step_size;     // lr / bias_correction1
+  double inv_sqrt_bc2;  // 1 / sqrt(bias_correction2)
+  double eps;
+};
+
+struct SgdEntry {
+  void* param;       // (n) P
+  const void* grad;  // (n) G
+  void* buf;         // (n) S, null without momentum
+  int64_t n;
+  int64_t first_chunk;
+  double lr, weight_decay, momentum, damp;  // damp = 1 - dampening
+  int nesterov, first;
+};
+
+// Index of the entry whose chunks hold `chunk` (entries sorted by first_chunk, count > 0).
+template <class E>
+__device__ __forceinline__ int find_entry(const E* e, int count, int64_t chunk) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (e[mid].first_chunk <= chunk) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <class P, class G, class S>
+__global__ void __launch_bounds__(kOptThreads)
+    adamw_multi_kernel(const AdamWEntry* __restrict__ entries, int count, int64_t total_chunks) {
+  for (int64_t chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
+    const AdamWEntry& t = entries[find_entry(entries, count, chunk)];
+    const int64_t begin = (chunk - t.first_chunk) * kChunk;
+    const int64_t end = begin + kChunk < t.n ? begin + kChunk : t.n;
+    P* p = static_cast<P*>(t.param);
+    const G* g = static_cast<const G*>(t.grad);
+    S* m = static_cast<S*>(t.m);
+    S* v = static_cast<S*>(t.v);
+    const S b1 = S(t.beta1), b2 = S(t.beta2), ob1 = S(t.one_beta1), ob2 = S(t.one_beta2);
+    const S decay = S(t.decay), step = S(t.step_size), ibc2 = S(t.inv_sqrt_bc2), eps = S(t.eps);
+    for (int64_t i = begin + threadIdx.x; i < end; i += kOptThreads) {
+      const S gi = S(Num<G>::load(g[i]));
+      const S mi = b1 * m[i] + ob1 * gi;
+      const S vi = b2 * v[i] + ob2 * (gi * gi);
+      m[i] = mi;
+      v[i] = vi;
+      const S pi = S(Num<P>::load(p[i]));
+      p[i] = Num<P>::store(pi * decay - step * mi / (m_sqrt(vi) * ibc2 + eps));
+    }
+  }
+}
+
+template <class P, class G, class S>
+__global__ void __launch_bounds__(kOptThreads)
+    sgd_multi_kernel(const SgdEntry* __restrict__ entries, int count, int64_t total_chunks) {
+  for (int64_t chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
+    const SgdEntry& t = entries[find_entry(entries, count, chunk)];
+    const int64_t begin = (chunk - t.first_chunk) * kChunk;
+    const int64_t end = begin + kChunk < t.n ? begin + kChunk : t.n;
+    P* p = static_cast<P*>(t.param);
+    const G* g = static_cast<const G*>(t.grad);
+    S* buf = static_cast<S*>(t.buf);
+    const S lr = S(t.lr), wd = S(t.weight_decay), mom = S(t.momentum), damp = S(t.damp);
+    for (int64_t i = begin + threadIdx.x; i < end; i += kOptThreads) {
+      const S pi = S(Num<P>::load(p[i]));
+      S d = S(Num<G>::load(g[i])) + wd * pi;
+      if (buf) {
+        const S bi = t.first ? d : mom * buf[i] + damp * d;
+        buf[i] = bi;
+        d = t.nesterov ? d + mom * bi : bi;
+      }
+      p[i] = Num<P>::store(pi - lr * d);
+    }
+  }
+}
+
+// Binds P (param dtype), G (param dtype or float), S (float or double) and calls f, as the
+// CPU kernels do.
+template <class F>
+void dispatch(const char* what, DType param_dt, DType grad_dt, DType state_dt, F&& f) {
+  if (!is_floating(param_dt)) fail_dtype(what, param_dt);
+  if (grad_dt != param_dt && grad_dt != DType::f32) fail_dtype(what, grad_dt);
+  if (state_dt != DType::f32 && state_dt != DType::f64) fail_dtype(what, state_dt);
+  QUILT_DISPATCH_FLOATING(param_dt, [&] {
+    using P = scalar_t;
+    if (state_dt == DType::f64) {
+      if (grad_dt == param_dt) f(P{}, P{}, double{});
+      else f(P{}, float{}, double{});
+    } else {
+      if (grad_dt == param_dt) f(P{}, P{}, float{});
+      else f(P{}, float{}, float{});
+    }
+  });
+}
+
+// Uploads `entries` (first_chunk filled in here) and launches kernel(table, count, chunks).
+template <class E, class Launch>
+void launch_table(std::vector<E>& entries, cudaStream_t s, Launch&& launch) {
+  int64_t chunks = 0;
+  std::vector<E> live;
+  for (E& e : entries) {
+    if (e.n == 0) continue;  // nothing to update; keeps every entry's chunk range non-empty
+    e.first_chunk = chunks;
+    chunks += (e.n + kChunk - 1) / kChunk;
+    live.push_back(e);
+  }
+  if (live.empty()) return;
+  if (live.size() > size_t(INT32_MAX)) fail_msg("optimizer", "has more than 2^31 - 1 tensors in one step");
+  const size_t bytes = live.size() * sizeof(E);
+  void* table = workspace_alloc(bytes, s);
+  // The host vector may go right after: a copy from pageable memory is staged before it returns.
+  QUILT_CHECK_CUDA(cudaMemcpyAsync(table, live.data(), bytes, cudaMemcpyHostToDevice, s));
+  const unsigned grid = unsigned(std::min<int64_t>(chunks, int64_t(INT32_MAX)));
+  launch(static_cast<const E*>(table), int(live.size()), chunks, grid);
+  const cudaError_t err = cudaGetLastError();
+  workspace_free(table, s);  // before checking, so a failed launch does not leak it
+  QUILT_CHECK_CUDA(err);
+}
+
+// Runs f(group) for each run of tensors sharing (param, grad, state) dtypes, in first-seen order.
+template <class T, class F>
+void by_dtypes(std::span<const T> tensors, F&& f) {
+  std::vector<bool> done(tensors.size(), false);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (done[i]) continue;
+    std::vector<const T*> group;
+    for (size_t j = i; j < tensors.size(); ++j) {
+      const T& a = tensors[i];
+      const T& b = tensors[j];
+      if (!done[j] && a.param_dt == b.param_dt && a.grad_dt == b.grad_dt && a.state_dt == b.state_dt) {
+        done[j] = true;
+        group.push_back(&b);
+      }
+    }
+    f(group);
+  }
+}
+
+}  // namespace
+
+void adamw_multi(std::span<const AdamWTensor> tensors, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  by_dtypes(tensors, [&](const std::vector<const AdamWTensor*>& group) {
+    const AdamWTensor& first = *group[0];
+    std::vector<AdamWEntry> entries;
+    entries.reserve(group.size());
+    for (const AdamWTensor* t : group) {
+      const cpu::AdamWHyper& h = t->hyper;
+      entries.push_back({.param = t->param, .grad = t->grad, .m = t->m, .v = t->v, .n = t->n, .first_chunk = 0,
+                         .beta1 = h.beta1, .beta2 = h.beta2, .one_beta1 = 1.0 - h.beta1, .one_beta2 = 1.0 - h.beta2,
+                         .decay = 1.0 - h.lr * h.weight_decay, .step_size = h.lr / h.bias_correction1,
+                         .inv_sqrt_bc2 = 1.0 / std::sqrt(h.bias_correction2), .eps = h.eps});
+    }
+    dispatch("adamw", first.param_dt, first.grad_dt, first.state_dt, [&](auto p, auto g, auto st) {
+      using P = decltype(p);
+      using G = decltype(g);
+      using S = decltype(st);
+      launch_table(entries, s, [&](const AdamWEntry* table, int count, int64_t chunks, unsigned grid) {
+        adamw_multi_kernel<P, G, S><<<grid, kOptThreads, 0, s>>>(table, count, chunks);
+      });
+    });
+  });
+}
+
+void sgd_multi(std::span<const SgdTensor> tensors, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  by_dtypes(tensors, [&](const std::vector<const SgdTensor*>& group) {
+    const SgdTensor& first = *group[0];
+    std::vector<SgdEntry> entries;
+    entries.reserve(group.size());
+    for (const SgdTensor* t : group) {
+      const cpu::SgdHyper& h = t->hyper;
+      entries.push_back({.param = t->param, .grad = t->grad, .buf = t->buf, .n = t->n, .first_chunk = 0,
+                         .lr = h.lr, .weight_decay = h.weight_decay, .momentum = h.momentum,
+                         .damp = 1.0 - h.dampening, .nesterov = h.nesterov ? 1 : 0, .first = h.first ? 1 : 0});
+    }
+    dispatch("sgd", first.param_dt, first.grad_dt, first.state_dt, [&](auto p, auto g, auto st) {
+      using P = decltype(p);
+      using G = decltype(g);
+      using S = decltype(st);
+      launch_table(entries, s, [&](const SgdEntry* table, int count, int64_t chunks, unsigned grid) {
+        sgd_multi_kernel<P, G, S><<<grid, kOptThreads, 0, s>>>(table, count, chunks);
+      });
+    });
+  });
+}
+
+}  // namespace quilt::kernels::cuda
