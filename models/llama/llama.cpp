@@ -384,7 +384,7 @@ Tensor LlamaModel::forward(const Tensor& x) {
   const int64_t t = x.size(1);
   QUILT_CHECK(t <= cfg_.max_position_embeddings, "[LlamaModel] sequence length ", t,
               " exceeds max_position_embeddings=", cfg_.max_position_embeddings);
-  return forward(x, arange(0, double(t)));
+  return forward(x, arange(0, double(t), 1, {.dtype = DType::i64, .device = x.device()}));
 }
 
 LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& cfg, const LlamaStage& stage)
@@ -412,7 +412,7 @@ Tensor LlamaForCausalLM::forward(const Tensor& x) {
   QUILT_CHECK(x.dim() >= 2, "[LlamaForCausalLM] input must be (batch, seq, ...), got shape ", x.shape());
   QUILT_CHECK(x.size(1) <= cfg_.max_position_embeddings, "[LlamaForCausalLM] sequence length ", x.size(1),
               " exceeds max_position_embeddings=", cfg_.max_position_embeddings);
-  return forward(x, arange(0, double(x.size(1))));
+  return forward(x, arange(0, double(x.size(1)), 1, {.dtype = DType::i64, .device = x.device()}));
 }
 
 namespace {
