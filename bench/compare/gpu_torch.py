@@ -41,15 +41,13 @@ def shape_of(*dims):
     return "x".join(str(d) for d in dims)
 
 
-def skewed_counts(experts, rows, seed=0):
-    """Zipf-like expert loads (weight 1 / (rank + 1)), shuffled, summing to `rows`."""
-    w = [1.0 / (e + 1) for e in range(experts)]
-    total = sum(w)
-    counts = [int(rows * x / total) for x in w]
+def zipf_counts(experts, rows):
+    """Expert loads ~ 1 / (e + 1), at least one row each, the remainder to expert 0 (as
+    bench/kernels/cuda_grouped.cpp splits them)."""
+    h = sum(1.0 / (e + 1) for e in range(experts))
+    counts = [max(1, int(rows / (h * (e + 1)))) for e in range(experts)]
     counts[0] += rows - sum(counts)
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(experts, generator=g).tolist()
-    return [counts[p] for p in perm]
+    return counts
 
 
 def run():
@@ -104,11 +102,11 @@ def run():
         xg = torch.randn(total, k, device=dev, dtype=torch.bfloat16)
         for n in (768, 1536):
             w = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16).transpose(1, 2)  # (E, K, N), N-major storage
-            for split, counts in (("balanced", [total // e] * e), ("skewed", skewed_counts(e, total))):
+            for split, counts in (("bal", [total // e] * e), ("zipf", zipf_counts(e, total))):
                 offs = torch.tensor(counts, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
                 try:
                     ms = median_ms(lambda: torch._grouped_mm(xg, w, offs=offs))
-                    add("grouped_mm_" + split, shape_of(e, total, k, n), ms, 2.0 * total * k * n, True, PEAK_BF16_TFLOPS)
+                    add("grouped_mm_" + split, shape_of(total, k, n), ms, 2.0 * total * k * n, True, PEAK_BF16_TFLOPS)
                 except RuntimeError as err:  # an unsupported layout on this build: say so, go on
                     print(f"gpu_torch: _grouped_mm {split} N={n}: {err}", file=sys.stderr)
         del xg
@@ -120,14 +118,92 @@ def run():
                     for _ in range(3))
         fwd_flops = 4.0 * batch * heads * seq * seq * hd / 2  # causal: half the score matrix
         f = lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True)
-        add("attention_fwd", shape_of(batch, heads, seq, hd), median_ms(f), fwd_flops, True, PEAK_BF16_TFLOPS)
+        shape = shape_of(batch, heads, seq, hd) + "/causal"
+        add("attention_fwd_bf16", shape, median_ms(f), fwd_flops, True, PEAK_BF16_TFLOPS)
         o = f()
         g = torch.randn_like(o)
-        add("attention_bwd", shape_of(batch, heads, seq, hd),
+        add("attention_bwd_bf16", shape,
             median_ms(lambda: torch.autograd.grad(o, (q, kk, v), g, retain_graph=True)), 2.5 * fwd_flops, True,
             PEAK_BF16_TFLOPS)
         del q, kk, v, o, g
+    try:
+        out.append(llama_step_rows())
+    except Exception as err:  # noqa: BLE001 -- a failed baseline must not hide the other rows
+        print(f"gpu_torch: the Llama step failed: {err!r}", file=sys.stderr)
     return out
+
+
+class TorchLlama(torch.nn.Module):
+    """A plain eager Llama as a PyTorch user writes it (SDPA, GQA, RoPE, SwiGLU, RMSNorm), the
+    shape of cuda_llama.cpp's dense model."""
+
+    def __init__(self, vocab, hidden, layers, heads, kv_heads, head_dim, inter, max_pos):
+        super().__init__()
+        nn = torch.nn
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            blk = nn.Module()
+            blk.ln1, blk.ln2 = nn.RMSNorm(hidden, eps=1e-5), nn.RMSNorm(hidden, eps=1e-5)
+            blk.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
+            blk.o = nn.Linear(heads * head_dim, hidden, bias=False)
+            blk.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
+            blk.down = nn.Linear(inter, hidden, bias=False)
+            self.layers.append(blk)
+        self.norm = nn.RMSNorm(hidden, eps=1e-5)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+        self.register_buffer("cos", torch.cat((ang.cos(), ang.cos()), -1).float(), persistent=False)
+        self.register_buffer("sin", torch.cat((ang.sin(), ang.sin()), -1).float(), persistent=False)
+
+    def rope(self, x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    def forward(self, tokens):
+        b, t = tokens.shape
+        cos, sin = self.cos[:t].to(self.head.weight.dtype), self.sin[:t].to(self.head.weight.dtype)
+        h = self.embed(tokens)
+        for blk in self.layers:
+            q, k, v = blk.qkv(blk.ln1(h)).split(
+                [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
+            q = self.rope(q.view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+            k = self.rope(k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            h = h + blk.o(a.transpose(1, 2).reshape(b, t, -1))
+            g, u = blk.gate_up(blk.ln2(h)).chunk(2, -1)
+            h = h + blk.down(torch.nn.functional.silu(g) * u)
+        return self.head(self.norm(h))
+
+
+def llama_step_rows():
+    """Tokens/s and model TFLOP/s of the ~1B dense step, bf16 weights, AdamW, eager."""
+    dev = torch.device("cuda")
+    vocab, hidden, layers, heads, kv, hd, inter = 32000, 2048, 16, 16, 8, 128, 5632
+    batch, seq = 2, 2048
+    model = TorchLlama(vocab, hidden, layers, heads, kv, hd, inter, 4096).to(dev, torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device=dev)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    ms = median_ms(step, warmup=2, iters=5)
+    n = sum(p.numel() for p in model.parameters()) - vocab * hidden  # the lookup is free
+    flops_per_token = 6.0 * n + 12.0 * layers * heads * hd * seq / 2  # as Quilt's flops_per_token
+    del model, opt
+    torch.cuda.empty_cache()
+    rate = flops_per_token * batch * seq / (ms * 1e-3) / 1e12
+    return {"kernel": "llama1b_step_bf16", "shape": shape_of(batch, seq), "us": ms * 1e3, "rate": rate,
+            "unit": "TFLOP/s", "pct_peak": 100.0 * rate / 989.0, "tokens_per_s": batch * seq / (ms * 1e-3)}
 
 
 def parse_quilt(path):

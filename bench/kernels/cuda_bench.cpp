@@ -147,8 +147,9 @@ class TableReporter : public benchmark::ConsoleReporter {
       const size_t slash = name.find('/');
       const std::string kernel = name.substr(0, slash);
       std::string shape = slash == std::string::npos ? "" : name.substr(slash + 1);
-      const size_t extra = shape.find('/');
-      if (extra != std::string::npos) shape = shape.substr(0, extra);  // drop "/manual_time"
+      const std::string suffix = "/manual_time";
+      if (shape.size() >= suffix.size() && shape.compare(shape.size() - suffix.size(), suffix.size(), suffix) == 0)
+        shape.resize(shape.size() - suffix.size());
       if (r.error_occurred) {
         std::printf("%-20s %-16s %12s %14s %10s  (%s)\n", kernel.c_str(), shape.c_str(), "-", "-", "-",
                     r.error_message.c_str());
