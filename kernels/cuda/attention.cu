@@ -58,7 +58,7 @@ struct Smem {
   static constexpr size_t ptile = k16 ? size_t(kTile) * ldp * sizeof(T) : 0;
   static constexpr size_t otile = size_t(kTile) * ldo * sizeof(float);
   static constexpr size_t rows = size_t(kTile) * 4;  // one 64-entry f32 or i32 array
-  static constexpr size_t forward = 3 * tile + stile + ptile + otile + 4 * rows;
+  static constexpr size_t forward = 3 * tile + stile + ptile + otile + 7 * rows;
   static constexpr size_t dkdv = 4 * tile + 2 * stile + 2 * ptile + 2 * otile + 6 * rows;
   static constexpr size_t dq = 4 * tile + 2 * stile + 2 * ptile + otile + 6 * rows;
   static constexpr size_t most = forward > dkdv ? (forward > dq ? forward : dq) : (dkdv > dq ? dkdv : dq);
@@ -220,6 +220,133 @@ __device__ __forceinline__ void warp_mm(float* C, int ldc, bool acc, const T* A,
   __syncwarp();
 }
 
+// A warp's (16, kN) f32 accumulator. f32 inputs: rows of a shared-memory tile, summed into by
+// warp_mm. 16-bit inputs: WMMA fragments held in registers across the whole key (or query) loop.
+template <class T, int kN, bool kTensor = Mma<T>::kTensor>
+struct WarpAcc {
+  float* c;
+  int ldc;
+  __device__ WarpAcc(float* rows, int ld, float*) : c(rows), ldc(ld) { zero(); }
+  __device__ void zero() {
+    for (int i = threadIdx.x & 31; i < kWarpRows * kN; i += 32) c[(i / kN) * ldc + i % kN] = 0.f;
+    __syncwarp();
+  }
+  // Row m times alpha[m].
+  __device__ void scale_rows(const float* alpha) {
+    for (int i = threadIdx.x & 31; i < kWarpRows * kN; i += 32) c[(i / kN) * ldc + i % kN] *= alpha[i / kN];
+    __syncwarp();
+  }
+  // += A (16, kK) B (kK, kN), A(m, k) = kAT ? A[k * lda + m] : A[m * lda + k], B row-major.
+  template <bool kAT, int kK>
+  __device__ void add(const T* A, int lda, const T* B, int ldb) {
+    warp_mm<T, kAT, false, kN, kK>(c, ldc, true, A, lda, B, ldb);
+  }
+  // Into rows of shared memory (a no-op when they are the accumulator's own).
+  __device__ void store(float* dst, int ld) {
+    if (dst != c)
+      for (int i = threadIdx.x & 31; i < kWarpRows * kN; i += 32) dst[(i / kN) * ld + i % kN] = c[(i / kN) * ldc + i % kN];
+    __syncwarp();
+  }
+};
+
+template <class T, int kN>
+struct WarpAcc<T, kN, true> {
+  using Frag = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
+  Frag f[kN / 16];
+  int row[Frag::num_elements];  // the row (0..15) of each of this lane's elements
+
+  // `scratch`: 256 floats of this warp's, 32-byte aligned. WMMA leaves the element layout
+  // opaque, so the row of each element is read back once from a tile of row numbers.
+  __device__ WarpAcc(float*, int, float* scratch) {
+    namespace w = nvcuda::wmma;
+    for (int i = threadIdx.x & 31; i < 256; i += 32) scratch[i] = float(i / 16);
+    __syncwarp();
+    Frag probe;
+    w::load_matrix_sync(probe, scratch, 16, w::mem_row_major);
+#pragma unroll
+    for (int i = 0; i < Frag::num_elements; ++i) row[i] = int(probe.x[i]);
+    __syncwarp();
+    zero();
+  }
+  __device__ void zero() {
+#pragma unroll
+    for (int j = 0; j < kN / 16; ++j) nvcuda::wmma::fill_fragment(f[j], 0.f);
+  }
+  __device__ void scale_rows(const float* alpha) {
+    float a[Frag::num_elements];
+#pragma unroll
+    for (int i = 0; i < Frag::num_elements; ++i) a[i] = alpha[row[i]];
+#pragma unroll
+    for (int j = 0; j < kN / 16; ++j)
+#pragma unroll
+      for (int i = 0; i < Frag::num_elements; ++i) f[j].x[i] *= a[i];
+  }
+  template <bool kAT, int kK>
+  __device__ void add(const T* A, int lda, const T* B, int ldb) {
+    namespace w = nvcuda::wmma;
+    using E = typename Mma<T>::E;
+    using LA = std::conditional_t<kAT, w::col_major, w::row_major>;
+    const E* a = reinterpret_cast<const E*>(A);
+    const E* b = reinterpret_cast<const E*>(B);
+#pragma unroll
+    for (int k0 = 0; k0 < kK; k0 += 16) {
+      w::fragment<w::matrix_a, 16, 16, 16, E, LA> fa;
+      w::load_matrix_sync(fa, a + (kAT ? k0 * lda : k0), lda);
+#pragma unroll
+      for (int j = 0; j < kN / 16; ++j) {
+        w::fragment<w::matrix_b, 16, 16, 16, E, w::row_major> fb;
+        w::load_matrix_sync(fb, b + k0 * ldb + 16 * j, ldb);
+        w::mma_sync(f[j], fa, fb, f[j]);
+      }
+    }
+  }
+  __device__ void store(float* dst, int ld) {
+#pragma unroll
+    for (int j = 0; j < kN / 16; ++j) nvcuda::wmma::store_matrix_sync(dst + 16 * j, f[j], ld, nvcuda::wmma::mem_row_major);
+    __syncwarp();
+  }
+};
+
+// A warp's 16 rows of a (64, kD) tile as the left operand of S (16, 64) = X Kᵀ, for a tile that
+// stays put over a loop (Q in the forward, Q and dO in the dQ pass): 16-bit inputs keep it in
+// WMMA fragments, f32 reads shared memory.
+template <class T, int kD, bool kTensor = Mma<T>::kTensor>
+struct WarpRows {
+  const T* x;
+  int ld;
+  __device__ WarpRows(const T* rows, int ld_) : x(rows), ld(ld_) {}
+  __device__ void times_t(float* S, int lds, const T* K, int ldk) const {
+    warp_mm<T, false, true, kTile, kD>(S, lds, false, x, ld, K, ldk);
+  }
+};
+
+template <class T, int kD>
+struct WarpRows<T, kD, true> {
+  using E = typename Mma<T>::E;
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, E, nvcuda::wmma::row_major> f[kD / 16];
+  __device__ WarpRows(const T* rows, int ld) {
+#pragma unroll
+    for (int k = 0; k < kD / 16; ++k) nvcuda::wmma::load_matrix_sync(f[k], reinterpret_cast<const E*>(rows) + 16 * k, ld);
+  }
+  __device__ void times_t(float* S, int lds, const T* K, int ldk) const {
+    namespace w = nvcuda::wmma;
+    const E* kp = reinterpret_cast<const E*>(K);
+#pragma unroll
+    for (int n0 = 0; n0 < kTile; n0 += 16) {
+      w::fragment<w::accumulator, 16, 16, 16, float> c;
+      w::fill_fragment(c, 0.f);
+#pragma unroll
+      for (int k = 0; k < kD / 16; ++k) {
+        w::fragment<w::matrix_b, 16, 16, 16, E, w::col_major> fb;
+        w::load_matrix_sync(fb, kp + n0 * ldk + 16 * k, ldk);
+        w::mma_sync(c, f[k], fb, c);
+      }
+      w::store_matrix_sync(S + n0, c, lds, w::mem_row_major);
+    }
+    __syncwarp();
+  }
+};
+
 // Whether local query row i (global q0 + i, batch b) sees local key j (global k0 + j); qd/kd,
 // qp/kp are the tile's documents and positions in shared memory.
 __device__ __forceinline__ bool sees(const Params& p, int64_t q0, int i, int64_t k0, int j, const int32_t* qd,
@@ -254,6 +381,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(Params p, T
   int32_t* kd = cv.take<int32_t>(L::rows);
   int32_t* qp = cv.take<int32_t>(L::rows);
   int32_t* kp = cv.take<int32_t>(L::rows);
+  float* alpha_s = cv.take<float>(L::rows);  // each row's rescale factor for this key tile
+  float* m_s = cv.take<float>(L::rows);      // each row's running max
+  float* l_s = cv.take<float>(L::rows);      // and sum of exp(x - max)
 
   // Later query blocks see more keys under a causal mask: they get the low block indices.
   const int64_t nqb = (p.t + kTile - 1) / kTile;
@@ -268,15 +398,15 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(Params p, T
   load_tile<T, kD>(Qs, L::ld, q + qrow * kD, nq, p.vec);
   load_row(qd, p.q_doc ? p.q_doc + b * p.t + q0 : nullptr, nq, 0);
   load_row(qp, p.by_pos() ? p.q_pos + b * p.t + q0 : nullptr, nq, 0);
-  for (int i = threadIdx.x; i < kTile * L::ldo; i += kThreads) O[i] = 0.f;
-  __syncthreads();  // O is read by its rows' warp even when no tile is open
+  __syncthreads();
+  const WarpRows<T, kD> qa(Qs + r0 * L::ld, L::ld);
+  WarpAcc<T, kD> acc(O + r0 * L::ldo, L::ldo, S + r0 * L::lds);
 
-  float m[kWarpRows], l[kWarpRows];  // running max and sum of this warp's rows (every lane)
-#pragma unroll
-  for (int r = 0; r < kWarpRows; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
+  if (lane < kWarpRows) {
+    m_s[r0 + lane] = -INFINITY;
+    l_s[r0 + lane] = 0.f;
   }
+  __syncwarp();
   const int64_t k_end = causal_end(p, q0, nq);
   for (int64_t k0 = 0; k0 < k_end; k0 += kTile) {
     const int nk = int(imin(kTile, p.s - k0));
@@ -288,43 +418,48 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(Params p, T
     load_row(kp, p.by_pos() ? p.k_pos + b * p.s + k0 : nullptr, nk, 0);
     __syncthreads();
 
-    warp_mm<T, false, true, kTile, kD>(S + r0 * L::lds, L::lds, false, Qs + r0 * L::ld, L::ld, Ks, L::ld);
-#pragma unroll
+    qa.times_t(S + r0 * L::lds, L::lds, Ks, L::ld);
+#pragma unroll 1
     for (int rr = 0; rr < kWarpRows; ++rr) {
       const int r = r0 + rr;
+      const float m_old = m_s[r];
       float x[2];
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int j = lane + 32 * c;
         x[c] = sees(p, q0, r, k0, j, qd, kd, qp, kp) ? S[r * L::lds + j] * p.scale : -INFINITY;
       }
-      const float mx = fmaxf(m[rr], warp_max(fmaxf(x[0], x[1])));
+      const float mx = fmaxf(m_old, warp_max(fmaxf(x[0], x[1])));
       float alpha = 1.f, pr[2] = {0.f, 0.f};
       if (mx != -INFINITY) {
-        alpha = __expf(m[rr] - mx);  // 0 when nothing was seen before
+        alpha = __expf(m_old - mx);  // 0 when nothing was seen before
 #pragma unroll
         for (int c = 0; c < 2; ++c) pr[c] = x[c] == -INFINITY ? 0.f : __expf(x[c] - mx);
-        m[rr] = mx;
       }
-      __syncwarp();  // every lane has read its S entries before P (which may alias S) is written
+      const float sum = warp_sum(pr[0] + pr[1]);
+      __syncwarp();  // every lane has read S[r] and m_s[r] before P (which may alias S) and m_s are written
 #pragma unroll
       for (int c = 0; c < 2; ++c) P[r * ldp + lane + 32 * c] = Num<T>::store(pr[c]);
-      l[rr] = l[rr] * alpha + warp_sum(pr[0] + pr[1]);
-      if (alpha != 1.f)
-        for (int c = lane; c < kD; c += 32) O[r * L::ldo + c] *= alpha;
+      if (lane == 0) {
+        alpha_s[r] = alpha;
+        m_s[r] = mx;
+        l_s[r] = l_s[r] * alpha + sum;
+      }
     }
     __syncwarp();
-    warp_mm<T, false, false, kD, kTile>(O + r0 * L::ldo, L::ldo, true, P + r0 * ldp, ldp, Vs, L::ld);
+    acc.scale_rows(alpha_s + r0);
+    acc.template add<false, kTile>(P + r0 * ldp, ldp, Vs, L::ld);
   }
+  acc.store(O + r0 * L::ldo, L::ldo);
 
-#pragma unroll
   for (int rr = 0; rr < kWarpRows; ++rr) {
     const int r = r0 + rr;
     if (r >= nq) break;
-    const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;  // a query that sees no key: out 0
+    const float l = l_s[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // a query that sees no key: out 0
     T* o = out + (qrow + r) * kD;
     for (int c = lane; c < kD; c += 32) o[c] = Num<T>::store(O[r * L::ldo + c] * inv);
-    if (lane == 0) lse[qrow + r] = l[rr] > 0.f ? m[rr] + logf(l[rr]) : -INFINITY;
+    if (lane == 0) lse[qrow + r] = l > 0.f ? m_s[r] + logf(l) : -INFINITY;
   }
 }
 
@@ -376,9 +511,22 @@ struct GradTiles {
   // This warp's rows of P = exp(scale S - lse) (0 where masked or the row sees nothing) and
   // dS = P ∘ (dO Vᵀ - delta), for queries [q0, ...) against keys [k0, ...).
   __device__ void grads(const Params& p, int64_t q0, int64_t k0) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
+    const int r0 = (threadIdx.x >> 5) * kWarpRows;
     warp_mm<T, false, true, kTile, kD>(S + r0 * L::lds, L::lds, false, Qs + r0 * L::ld, L::ld, Ks, L::ld);
     warp_mm<T, false, true, kTile, kD>(dP + r0 * L::lds, L::lds, false, dOs + r0 * L::ld, L::ld, Vs, L::ld);
+    probabilities(p, q0, k0);
+  }
+  // The same with this warp's rows of Q and dO held over the loop.
+  __device__ void grads(const Params& p, int64_t q0, int64_t k0, const WarpRows<T, kD>& qa,
+                        const WarpRows<T, kD>& da) {
+    const int r0 = (threadIdx.x >> 5) * kWarpRows;
+    qa.times_t(S + r0 * L::lds, L::lds, Ks, L::ld);
+    da.times_t(dP + r0 * L::lds, L::lds, Vs, L::ld);
+    probabilities(p, q0, k0);
+  }
+  // P and dS of this warp's rows from S and dP.
+  __device__ void probabilities(const Params& p, int64_t q0, int64_t k0) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
     for (int rr = 0; rr < kWarpRows; ++rr) {
       const int r = r0 + rr;
       const float lr = lse[r], dr = delta[r];
@@ -425,8 +573,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(Params p, T* _
   load_tile<T, kD>(g.Vs, L::ld, v + krow * kD, nk, p.vec);
   load_row(g.kd, p.k_doc ? p.k_doc + b * p.s + k0 : nullptr, nk, 0);
   load_row(g.kp, p.by_pos() ? p.k_pos + b * p.s + k0 : nullptr, nk, 0);
-  for (int i = threadIdx.x; i < kTile * L::ldo; i += kThreads) dKs[i] = dVs[i] = 0.f;
-  __syncthreads();
+  WarpAcc<T, kD> dk_acc(dKs + r0 * L::ldo, L::ldo, g.S + r0 * L::lds);  // S rows: the probe's scratch
+  WarpAcc<T, kD> dv_acc(dVs + r0 * L::ldo, L::ldo, g.S + r0 * L::lds);
 
   const int64_t q_begin = (causal_begin(p, k0) / kTile) * kTile;
   for (int64_t hg = 0; hg < group; ++hg) {
@@ -446,10 +594,12 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(Params p, T* _
       g.grads(p, q0, k0);
       __syncthreads();  // P and dS complete: the products below read every query row
       // dV[keys] += Pᵀ dO, dK[keys] += dSᵀ Q: A = Pᵀ is P read column-major from column r0.
-      warp_mm<T, true, false, kD, kTile>(dVs + r0 * L::ldo, L::ldo, true, g.P + r0, G::ldp, g.dOs, L::ld);
-      warp_mm<T, true, false, kD, kTile>(dKs + r0 * L::ldo, L::ldo, true, g.dS + r0, G::ldp, g.Qs, L::ld);
+      dv_acc.template add<true, kTile>(g.P + r0, G::ldp, g.dOs, L::ld);
+      dk_acc.template add<true, kTile>(g.dS + r0, G::ldp, g.Qs, L::ld);
     }
   }
+  dk_acc.store(dKs + r0 * L::ldo, L::ldo);
+  dv_acc.store(dVs + r0 * L::ldo, L::ldo);
   for (int rr = 0; rr < kWarpRows; ++rr) {
     const int r = r0 + rr;
     if (r >= nk) break;
@@ -488,8 +638,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(Params p, T* __r
   load_row(g.delta, delta + qrow, nq, 0.f);
   load_row(g.qd, p.q_doc ? p.q_doc + b * p.t + q0 : nullptr, nq, 0);
   load_row(g.qp, p.by_pos() ? p.q_pos + b * p.t + q0 : nullptr, nq, 0);
-  for (int i = threadIdx.x; i < kTile * L::ldo; i += kThreads) dQs[i] = 0.f;
   __syncthreads();
+  const WarpRows<T, kD> qa(g.Qs + r0 * L::ld, L::ld), da(g.dOs + r0 * L::ld, L::ld);
+  WarpAcc<T, kD> acc(dQs + r0 * L::ldo, L::ldo, g.S + r0 * L::lds);
 
   const int64_t k_end = causal_end(p, q0, nq);
   for (int64_t k0 = 0; k0 < k_end; k0 += kTile) {
@@ -501,9 +652,10 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(Params p, T* __r
     load_row(g.kd, p.k_doc ? p.k_doc + b * p.s + k0 : nullptr, nk, 0);
     load_row(g.kp, p.by_pos() ? p.k_pos + b * p.s + k0 : nullptr, nk, 0);
     __syncthreads();
-    g.grads(p, q0, k0);
-    warp_mm<T, false, false, kD, kTile>(dQs + r0 * L::ldo, L::ldo, true, g.dS + r0 * G::ldp, G::ldp, g.Ks, L::ld);
+    g.grads(p, q0, k0, qa, da);
+    acc.template add<false, kTile>(g.dS + r0 * G::ldp, G::ldp, g.Ks, L::ld);
   }
+  acc.store(dQs + r0 * L::ldo, L::ldo);
   for (int rr = 0; rr < kWarpRows; ++rr) {
     const int r = r0 + rr;
     if (r >= nq) break;
