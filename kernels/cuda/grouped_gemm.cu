@@ -14,6 +14,11 @@
 // with f32 accumulators, two-stage cp.async pipeline (16-byte copies when the operand is
 // aligned; element copies otherwise; zero fill outside the problem). f32/f64: a 64x64x16
 // SIMT tile (exact: no TF32, as kernels/cuda/gemm.cu).
+//
+// Measured on one H200 (bench/kernels/cuda_grouped.cpp, E = 128, K = 2048, 131072 rows, bf16):
+// about 160 TFLOP/s for N = 768 and 1536, balanced or Zipf-split, against about 300-500 for a
+// per-expert cuBLAS loop and 620-660 for one dense GEMM of the same FLOPs. The next steps are
+// more pipeline stages (dynamic shared memory) and then wgmma (sm_90a) with TMA loads.
 #include <mma.h>
 
 #include <climits>
