@@ -220,7 +220,7 @@ void register_grouped() {
     const std::string shape = shape_of({kRows, kHidden, n});
     for (bool zipf : {false, true}) {
       const std::string split = zipf ? "zipf" : "bal";
-      reg("grouped_quilt_" + split + "/" + shape, [zipf, n](benchmark::State& s) { bm_quilt(s, zipf, n); });
+      reg("grouped_mm_" + split + "/" + shape, [zipf, n](benchmark::State& s) { bm_quilt(s, zipf, n); });
       reg("grouped_loop_" + split + "/" + shape, [zipf, n](benchmark::State& s) { bm_loop(s, zipf, n); });
       reg("grouped_cublas_" + split + "/" + shape,
           [zipf, n](benchmark::State& s) { bm_cublas_grouped(s, zipf, n); });
