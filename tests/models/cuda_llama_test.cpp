@@ -61,12 +61,30 @@ TEST_CASE("cuda: a dense Llama trains on the GPU and follows the CPU's losses, s
     // f32 throughout; reduction order differs between the devices, nothing else.
     CHECK(std::fabs(got - want) <= 2e-4 * std::fabs(want));
   }
-  // After four updates every weight still agrees (the optimizer ran on the device too).
+  // After four updates the weights agree too (the optimizer ran on the device). Not element by
+  // element at a tight tolerance: where a gradient is at the level of reduction-order noise,
+  // AdamW's m / sqrt(v) turns that noise into a step of up to lr either way. The first H200 run
+  // saw 1 to 9 elements per tensor (at most 0.011%) outside 2e-3 relative + 2e-5, the largest
+  // 1.1e-3 off (0.4 lr). So: at least 99.9% of each tensor within that tolerance, and none
+  // further off than the four steps could move it apart (2 lr per step).
   const auto cpu_params = on_cpu.named_parameters();
   const auto gpu_params = on_gpu.named_parameters();
   REQUIRE(cpu_params.size() == gpu_params.size());
-  for (size_t i = 0; i < cpu_params.size(); ++i)
-    check_close(gpu_params[i].second.to(Device::cpu()), cpu_params[i].second, 2e-3, 2e-5, gpu_params[i].first);
+  for (size_t i = 0; i < cpu_params.size(); ++i) {
+    const std::vector<double> got = gpu_params[i].second.to(Device::cpu()).to_vector();
+    const std::vector<double> want = cpu_params[i].second.to_vector();
+    REQUIRE(got.size() == want.size());
+    size_t outside = 0;
+    double worst = 0;
+    for (size_t j = 0; j < got.size(); ++j) {
+      const double d = std::fabs(got[j] - want[j]);
+      if (!(d <= 2e-5 + 2e-3 * std::fabs(want[j]))) ++outside;
+      if (!(d <= worst)) worst = d;
+    }
+    INFO(gpu_params[i].first << ": " << outside << " of " << got.size() << " outside, worst " << worst);
+    CHECK(double(outside) <= 1e-3 * double(got.size()));
+    CHECK(worst <= 2 * o.lr * 4);
+  }
 }
 
 TEST_CASE("cuda: a dense Llama's bf16 forward on the GPU follows the f32 CPU model") {
