@@ -6,8 +6,7 @@
 // of the scores, so the online softmax needs no block-level sync, only the K/V loads do. Tiles
 // live in shared memory: the tile products are warp-wide 16 x n GEMMs with WMMA (bf16/f16 in,
 // f32 accumulate) for 16-bit inputs and FMAs for f32 (exact f32 numbers, as the CPU). Scores,
-// softmax state and accumulators (O, dQ, dK, dV: WMMA fragments held in registers over the loop
-// for 16-bit inputs, shared memory for f32) are f32; P and dS are rounded to the input
+// softmax state and accumulators (O, dQ, dK, dV) are f32; P and dS are rounded to the input
 // dtype before they enter a tensor-core product, as flash attention does. Tiles that the causal
 // rule (by index: bounds of the key loop; by position: min/max of the tile's positions) or the
 // documents hide entirely are skipped. 16-bit tiles are padded by 16 bytes a row against
