@@ -59,11 +59,8 @@ struct Smem {
   static constexpr size_t otile = size_t(kTile) * ldo * sizeof(float);
   static constexpr size_t rows = size_t(kTile) * 4;  // one 64-entry f32 or i32 array
   static constexpr size_t forward = 3 * tile + stile + ptile + otile + 7 * rows;
-  // 16-bit backward: one f32 tile for S then dP, accumulators in registers (stored over the
-  // (64, D) tiles at the end), so two CTAs fit an SM.
-  static constexpr size_t dkdv = k16 ? 4 * tile + stile + 2 * ptile + 6 * rows : 4 * tile + 2 * stile + 2 * otile + 6 * rows;
-  static constexpr size_t dq = k16 ? 4 * tile + stile + 2 * ptile + 6 * rows : 4 * tile + 2 * stile + otile + 6 * rows;
-  static_assert(!k16 || 4 * tile >= 2 * otile, "the accumulators are stored over the tiles");
+  static constexpr size_t dkdv = 4 * tile + 2 * stile + 2 * ptile + 2 * otile + 6 * rows;
+  static constexpr size_t dq = 4 * tile + 2 * stile + 2 * ptile + otile + 6 * rows;
   static constexpr size_t most = forward > dkdv ? (forward > dq ? forward : dq) : (dkdv > dq ? dkdv : dq);
 };
 
@@ -500,7 +497,7 @@ struct GradTiles {
     Ks = cv.take<T>(L::tile);
     Vs = cv.take<T>(L::tile);
     S = cv.take<float>(L::stile);
-    dP = L::k16 ? S : cv.take<float>(L::stile);  // 16-bit: dP follows S in one tile, P is kept as T
+    dP = cv.take<float>(L::stile);
     P = L::k16 ? cv.take<T>(L::ptile) : reinterpret_cast<T*>(S);
     dS = L::k16 ? cv.take<T>(L::ptile) : reinterpret_cast<T*>(dP);
     lse = cv.take<float>(L::rows);
@@ -516,48 +513,31 @@ struct GradTiles {
   __device__ void grads(const Params& p, int64_t q0, int64_t k0) {
     const int r0 = (threadIdx.x >> 5) * kWarpRows;
     warp_mm<T, false, true, kTile, kD>(S + r0 * L::lds, L::lds, false, Qs + r0 * L::ld, L::ld, Ks, L::ld);
-    probabilities(p, q0, k0);
     warp_mm<T, false, true, kTile, kD>(dP + r0 * L::lds, L::lds, false, dOs + r0 * L::ld, L::ld, Vs, L::ld);
-    score_grads();
+    probabilities(p, q0, k0);
   }
   // The same with this warp's rows of Q and dO held over the loop.
   __device__ void grads(const Params& p, int64_t q0, int64_t k0, const WarpRows<T, kD>& qa,
                         const WarpRows<T, kD>& da) {
     const int r0 = (threadIdx.x >> 5) * kWarpRows;
     qa.times_t(S + r0 * L::lds, L::lds, Ks, L::ld);
-    probabilities(p, q0, k0);
     da.times_t(dP + r0 * L::lds, L::lds, Vs, L::ld);
-    score_grads();
+    probabilities(p, q0, k0);
   }
-  // P of this warp's rows from S (f32: in place).
+  // P and dS of this warp's rows from S and dP.
   __device__ void probabilities(const Params& p, int64_t q0, int64_t k0) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
-#pragma unroll 1
     for (int rr = 0; rr < kWarpRows; ++rr) {
       const int r = r0 + rr;
-      const float lr = lse[r];
+      const float lr = lse[r], dr = delta[r];
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int j = lane + 32 * c;
         const float pr = (lr != -INFINITY && sees(p, q0, r, k0, j, qd, kd, qp, kp))
                              ? __expf(S[r * L::lds + j] * p.scale - lr)
                              : 0.f;
-        P[r * ldp + j] = Num<T>::store(pr);  // f32: the lane that read S[r, j] writes it
-      }
-    }
-    __syncwarp();  // 16-bit: S is read before dP overwrites it
-  }
-  // dS of this warp's rows from P and dP (f32: in place).
-  __device__ void score_grads() {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
-#pragma unroll 1
-    for (int rr = 0; rr < kWarpRows; ++rr) {
-      const int r = r0 + rr;
-      const float dr = delta[r];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int j = lane + 32 * c;
-        const float ds = Num<T>::load(P[r * ldp + j]) * (dP[r * L::lds + j] - dr);
+        const float ds = pr * (dP[r * L::lds + j] - dr);
+        P[r * ldp + j] = Num<T>::store(pr);  // the same lane read S[r, j] and dP[r, j] (f32 aliasing)
         dS[r * ldp + j] = Num<T>::store(ds);
       }
     }
@@ -579,9 +559,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(Params p, T* _
   extern __shared__ __align__(128) char smem[];
   Carve cv{smem};
   G g(cv);
-  // 16-bit: the accumulators live in registers and land, at the end, where the tiles were.
-  float* dKs = L::k16 ? reinterpret_cast<float*>(g.Qs) : cv.take<float>(L::otile);
-  float* dVs = L::k16 ? dKs + kTile * L::ldo : cv.take<float>(L::otile);
+  float* dKs = cv.take<float>(L::otile);
+  float* dVs = cv.take<float>(L::otile);
 
   const int64_t bkv = int64_t(blockIdx.x) % (p.batch * p.hkv);
   const int64_t k0 = (int64_t(blockIdx.x) / (p.batch * p.hkv)) * kTile;
@@ -619,7 +598,6 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(Params p, T* _
       dk_acc.template add<true, kTile>(g.dS + r0, G::ldp, g.Qs, L::ld);
     }
   }
-  __syncthreads();  // the tiles are no longer read
   dk_acc.store(dKs + r0 * L::ldo, L::ldo);
   dv_acc.store(dVs + r0 * L::ldo, L::ldo);
   for (int rr = 0; rr < kWarpRows; ++rr) {
@@ -644,7 +622,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(Params p, T* __r
   extern __shared__ __align__(128) char smem[];
   Carve cv{smem};
   G g(cv);
-  float* dQs = L::k16 ? reinterpret_cast<float*>(g.Qs) : cv.take<float>(L::otile);  // as dKs above
+  float* dQs = cv.take<float>(L::otile);
 
   const int64_t nqb = (p.t + kTile - 1) / kTile;
   const int64_t bh = int64_t(blockIdx.x) % (p.batch * p.hq);
@@ -677,7 +655,6 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(Params p, T* __r
     g.grads(p, q0, k0, qa, da);
     acc.template add<false, kTile>(g.dS + r0 * G::ldp, G::ldp, g.Ks, L::ld);
   }
-  __syncthreads();
   acc.store(dQs + r0 * L::ldo, L::ldo);
   for (int rr = 0; rr < kWarpRows; ++rr) {
     const int r = r0 + rr;
