@@ -993,7 +993,24 @@ int64_t packing_document_multiple(const RecipeConfig& cfg) {
   return cfg.distributed.cp_size > 1 ? 2 * cfg.distributed.cp_size : 1;
 }
 
+LaunchOptions trainer_launch_options(const DistEnvConfig& env) {
+  // Left automatic, a CUDA build on a GPU machine would start an NCCL world while the model and
+  // its gradients stay in host memory: the backend is always named.
+  switch (env.backend) {
+    case Backend::kMpi: return {.backend = WorldBackend::mpi};
+    case Backend::kNccl:
+      fail("[config] dist_env.backend nccl: the trainer keeps the model and batches in host memory, so its "
+           "collectives run on MPI; the engine's ops and the NCCL communicator run on GPUs through the library "
+           "API, but quilt train does not place a run on them yet. Use dist_env.backend: mpi");
+    case Backend::kThreads:
+      fail("[config] dist_env.backend threads runs ranks as threads of one process (the test suites' backend); "
+           "quilt train runs one process per rank under mpirun or srun. Use dist_env.backend: mpi");
+  }
+  fail("[config] dist_env.backend: unknown value");
+}
+
 ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
+  (void)trainer_launch_options(cfg.dist_env);
   ParallelDims dims(cfg.distributed, world_size);
   const TrainConfig& t = cfg.train;
   const ModelConfig& m = cfg.model;

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/launch.h"
 #include "kernels/dtype.h"
 #include "parallel/parallel_dims.h"
 
@@ -217,6 +218,10 @@ std::string recipe_to_yaml(const RecipeConfig& cfg);
 /// sequence length vs context parallelism, heads vs tensor parallelism, ...). Returns the
 /// validated ParallelDims; throws naming the keys involved.
 ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size);
+/// How the trainer starts its world for dist_env.backend: mpi is MPI on the CPU (also on a
+/// machine with GPUs). nccl and threads are refused naming the key: the trainer places its model
+/// and batches on the CPU, and runs one process per rank.
+LaunchOptions trainer_launch_options(const DistEnvConfig& env);
 /// One message per model field that the recipe sets and HF config.json (its text) contradicts,
 /// e.g. "model.hidden_size is 128 in the recipe but 64 in <model.pretrained>/config.json".
 /// Fields config.json lacks, and optional fields the recipe leaves none, are not compared.

@@ -191,6 +191,21 @@ TEST_CASE("config: rules between sections name every key involved") {
                        doctest::Contains("checkpoint.save_consolidated is true but checkpoint.dir is none"), Error);
 }
 
+TEST_CASE("config: quilt train starts an MPI world and refuses the backends it cannot run, naming the key") {
+  // mpi is asked for by name: a CUDA build on a GPU machine would otherwise start NCCL.
+  CHECK(trainer_launch_options(parse(kMinimal).dist_env).backend == WorldBackend::mpi);
+  const RecipeConfig nccl = parse(kMinimal + "dist_env: {backend: nccl}\n");
+  CHECK_THROWS_WITH_AS(trainer_launch_options(nccl.dist_env),
+                       doctest::Contains("[config] dist_env.backend nccl: the trainer keeps the model and batches in "
+                                         "host memory"),
+                       Error);
+  CHECK_THROWS_WITH_AS(check_recipe(nccl, 1), doctest::Contains("Use dist_env.backend: mpi"), Error);
+  const RecipeConfig threads = parse(kMinimal + "dist_env: {backend: threads}\n");
+  CHECK_THROWS_WITH_AS(check_recipe(threads, 1),
+                       doctest::Contains("[config] dist_env.backend threads runs ranks as threads of one process"),
+                       Error);
+}
+
 TEST_CASE("config: rules that need the world size name the keys and every factor") {
   RecipeConfig c = parse(kMinimal + "train: {global_batch_size: 8, micro_batch_size: 4}\n");
   CHECK(check_recipe(c, 2).dp() == 2);
