@@ -222,11 +222,73 @@ Tensor loss_of(const V& outs, uint64_t seed) {
   Tensor total;
   for (size_t k = 0; k < outs.size(); ++k) {
     if (!is_floating(outs[k].dtype()) || outs[k].numel() == 0) continue;
-    Tensor w = randn(outs[k].shape(), RngKey(seed, "weight" + std::to_string(k)), {.dtype = outs[k].dtype()});
+    // Drawn on the output's device: the GPU draws the CPU's numbers, so both sides weigh alike.
+    Tensor w = randn(outs[k].shape(), RngKey(seed, "weight" + std::to_string(k)),
+                     {.dtype = outs[k].dtype(), .device = outs[k].device()});
     Tensor term = sum(outs[k] * w);
     total = total.defined() ? total + term : term;
   }
   return total;
+}
+
+V to_device(const V& xs, Device d) {
+  V out;
+  for (const Tensor& x : xs) out.push_back(x.to(d));
+  return out;
+}
+
+R refs_of(const V& xs) {
+  R out;
+  for (const Tensor& x : xs) out.push_back(Ref::of(x.to(Device::cpu())));
+  return out;
+}
+
+// 6. With a usable GPU: the op on device tensors against the same op on the CPU, on the same
+// inputs — the f32 forward, the bf16 forward where the case checks low precision, and the f32
+// backward of every differentiable input. An op the GPU build does not run yet, or a case whose
+// op makes host tensors of its own, is named in a message and not counted against the case:
+// the CPU checks above are what the case asserts, and tools/gpu-check counts these messages.
+void compare_on_gpu(const OpCase& c, const V& x64, const std::vector<size_t>& diff, uint64_t seed) {
+  if (!cuda::is_available()) return;
+  const Device gpu = Device::cuda(0);
+  const V x32 = cast_all(x64, DType::f32);
+  V got;
+  try {
+    got = c.op(to_device(x32, gpu));
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    if (what.find("has no CUDA implementation") == std::string::npos &&
+        what.find("inputs on different devices") == std::string::npos)
+      throw;
+    MESSAGE("op harness: no GPU comparison for '", c.name, "': ", what);
+    return;
+  }
+  // CPU and GPU round f32 sums in different orders: each is within f32_tol of float64, so
+  // they are within twice that of each other.
+  compare("f32 forward on the GPU vs the CPU", got, refs_of(c.op(x32)), 2 * c.f32_tol);
+  if (c.lowp) {
+    const V xb = cast_all(x64, DType::bf16);
+    compare("bf16 forward on the GPU vs the CPU", c.op(to_device(xb, gpu)), refs_of(c.op(xb)),
+            c.lowp_tol > 0 ? c.lowp_tol : 2e-2);
+  }
+  if (!c.gradcheck || diff.empty()) return;
+  auto grads_on = [&](Device d) {
+    V leaves;
+    for (size_t i = 0; i < x32.size(); ++i) {
+      Tensor t = x32[i].to(d).clone().detach();
+      if (std::find(diff.begin(), diff.end(), i) != diff.end()) t.set_requires_grad(true);
+      leaves.push_back(t);
+    }
+    const Tensor loss = loss_of(c.op(leaves), seed);
+    V wrt;
+    for (size_t i : diff) wrt.push_back(leaves[i]);
+    return loss.defined() ? grad({loss}, wrt) : V{};
+  };
+  const V on_gpu = grads_on(gpu), on_cpu = grads_on(Device::cpu());
+  REQUIRE(on_gpu.size() == on_cpu.size());
+  for (size_t j = 0; j < on_gpu.size(); ++j)
+    compare("f32 backward on the GPU vs the CPU, input " + std::to_string(diff[j]), {on_gpu[j]}, refs_of({on_cpu[j]}),
+            2 * c.f32_tol);
 }
 
 }  // namespace
@@ -273,10 +335,14 @@ void run_op_case(const OpCase& c) {
     }
   }
 
-  // 4. gradcheck in f64
   std::vector<size_t> diff;
   for (size_t i = 0; i < c.inputs.size(); ++i)
     if (c.inputs[i].grad && floating_gen(c.inputs[i].gen)) diff.push_back(i);
+
+  // 6. (before the gradcheck, which returns early for cases without one) the GPU against the CPU
+  compare_on_gpu(c, x64, diff, seed);
+
+  // 4. gradcheck in f64
   if (!c.gradcheck || diff.empty()) return;
   V leaves;
   for (size_t i = 0; i < x64.size(); ++i) {

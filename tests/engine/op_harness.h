@@ -5,7 +5,9 @@
 //   2. the same with non-contiguous (strided/transposed) inputs,
 //   3. bf16 and f16 forward against f32 on the same rounded inputs, within their precision,
 //   4. backward against central finite differences in f64 (gradcheck),
-//   5. backward with non-contiguous inputs equal to backward with contiguous ones.
+//   5. backward with non-contiguous inputs equal to backward with contiguous ones,
+//   6. with a usable GPU: f32 and bf16 forward and f32 backward on the device equal the CPU's
+//      (an op without a CUDA kernel is named in a message instead).
 // Adding an op is a few lines:
 //   run_op_case({.name = "exp", .inputs = {{{3, 5}}}, .op = [](auto& x) { return V{exp(x[0])}; },
 //                .ref = [](auto& r) { return R{map(r[0], [](double a) { return std::exp(a); })}; }});
