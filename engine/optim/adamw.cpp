@@ -1,9 +1,12 @@
-// AdamW: validates hyperparameters, computes bias corrections, calls the fused kernel.
+// AdamW: validates hyperparameters, computes bias corrections, calls the fused kernel (CPU)
+// or the multi-tensor one (CUDA).
 #include "engine/optim/adamw.h"
 
 #include <cmath>
 
+#include "engine/ops/dispatch.h"
 #include "kernels/cpu/optim.h"
+#include "kernels/cuda/nn.h"
 
 namespace quilt {
 namespace {
@@ -46,7 +49,7 @@ void AdamW::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, 
                       p.numel(), hyper(step, lr, wd));
 }
 
-void AdamW::update_all(std::vector<Update>& updates) {
+std::vector<kernels::cpu::AdamWTensor> AdamW::tensor_list(std::vector<Update>& updates) const {
   std::vector<kernels::cpu::AdamWTensor> list;
   list.reserve(updates.size());
   for (Update& u : updates) {
@@ -56,7 +59,13 @@ void AdamW::update_all(std::vector<Update>& updates) {
                     .param = u.param.data_ptr(), .grad = u.grad.data_ptr(), .m = m.data_ptr(), .v = v.data_ptr(),
                     .n = u.param.numel(), .hyper = hyper(u.step, u.lr, u.weight_decay)});
   }
-  kernels::cpu::adamw_multi(list);
+  return list;
+}
+
+void AdamW::update_all(std::vector<Update>& updates) { kernels::cpu::adamw_multi(tensor_list(updates)); }
+
+void AdamW::update_all_cuda(std::vector<Update>& updates) {
+  kernels::cuda::adamw_multi(tensor_list(updates), ops::stream_handle(updates.front().param.device()));
 }
 
 }  // namespace quilt

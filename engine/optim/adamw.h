@@ -36,10 +36,12 @@ class AdamW : public Optimizer {
   void update(Tensor& param, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
               double weight_decay) override;
   void update_all(std::vector<Update>& updates) override;
-  void update_all_cuda(std::vector<Update>& updates) override;  // defined in optimizer.cpp
+  void update_all_cuda(std::vector<Update>& updates) override;
 
  private:
   kernels::cpu::AdamWHyper hyper(int64_t step, double lr, double weight_decay) const;
+  /// The multi-tensor kernels' list for `updates` (the CPU and CUDA kernels take the same one).
+  std::vector<kernels::cpu::AdamWTensor> tensor_list(std::vector<Update>& updates) const;
   AdamWOptions opts_;
 };
 

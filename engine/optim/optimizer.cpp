@@ -1,20 +1,14 @@
-// Optimizer base: groups, keys, the step loop (checks, contiguity, lazy state), state dicts,
-// and the CUDA updates of AdamW and SGD (multi-tensor kernels, kernels/cuda/nn.h).
+// Optimizer base: groups, keys, the step loop (checks, contiguity, lazy state), state dicts.
 #include "engine/optim/optimizer.h"
 
-#include <cmath>
 #include <map>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "engine/autograd.h"
 #include "engine/ops/creation.h"
-#include "engine/ops/dispatch.h"
 #include "engine/ops/view.h"
-#include "engine/optim/adamw.h"
-#include "engine/optim/sgd.h"
 #include "engine/primitive.h"
-#include "kernels/cuda/nn.h"
 
 namespace quilt {
 namespace {
@@ -102,41 +96,6 @@ void Optimizer::update_all(std::vector<Update>& updates) {
 }
 
 void Optimizer::update_all_cuda(std::vector<Update>&) { fail("[", name_, "] has no CUDA implementation"); }
-
-// AdamW's and SGD's CUDA steps live here, beside the loop that routes updates by device, so
-// the per-optimizer files stay CPU-only.
-void AdamW::update_all_cuda(std::vector<Update>& updates) {
-  std::vector<kernels::cuda::AdamWTensor> list;
-  list.reserve(updates.size());
-  for (Update& u : updates) {
-    Tensor& m = u.buffers[0];
-    Tensor& v = u.buffers[1];
-    list.push_back({.param_dt = u.param.dtype(), .grad_dt = u.grad.dtype(), .state_dt = m.dtype(),
-                    .param = u.param.data_ptr(), .grad = u.grad.data_ptr(), .m = m.data_ptr(), .v = v.data_ptr(),
-                    .n = u.param.numel(), .hyper = hyper(u.step, u.lr, u.weight_decay)});
-  }
-  kernels::cuda::adamw_multi(list, ops::stream_handle(updates.front().param.device()));
-}
-
-void SGD::update_all_cuda(std::vector<Update>& updates) {
-  std::vector<kernels::cuda::SgdTensor> list;
-  list.reserve(updates.size());
-  for (Update& u : updates) {
-    kernels::cpu::SgdHyper h;
-    h.lr = u.lr;
-    h.momentum = opts_.momentum;
-    h.dampening = opts_.dampening;
-    h.weight_decay = u.weight_decay;
-    h.nesterov = opts_.nesterov;
-    h.first = u.step == 1;
-    const bool has_buf = !u.buffers.empty();
-    list.push_back({.param_dt = u.param.dtype(), .grad_dt = u.grad.dtype(),
-                    .state_dt = has_buf ? u.buffers[0].dtype() : state_dtype(u.param), .param = u.param.data_ptr(),
-                    .grad = u.grad.data_ptr(), .buf = has_buf ? u.buffers[0].data_ptr() : nullptr,
-                    .n = u.param.numel(), .hyper = h});
-  }
-  kernels::cuda::sgd_multi(list, ops::stream_handle(updates.front().param.device()));
-}
 
 void Optimizer::step() {
   NoGradGuard ng;

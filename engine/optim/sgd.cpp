@@ -1,7 +1,9 @@
-// SGD: validates hyperparameters and calls the fused kernel.
+// SGD: validates hyperparameters and calls the fused kernel (CPU) or the multi-tensor one (CUDA).
 #include "engine/optim/sgd.h"
 
+#include "engine/ops/dispatch.h"
 #include "kernels/cpu/optim.h"
+#include "kernels/cuda/nn.h"
 
 namespace quilt {
 namespace {
@@ -29,8 +31,7 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions opts)
 SGD::SGD(std::vector<Tensor> params, SGDOptions opts)
     : SGD(std::vector<ParamGroup>{ParamGroup{.params = std::move(params)}}, opts) {}
 
-void SGD::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
-                 double wd) {
+kernels::cpu::SgdHyper SGD::hyper(int64_t step, double lr, double wd) const {
   kernels::cpu::SgdHyper h;
   h.lr = lr;
   h.momentum = opts_.momentum;
@@ -38,9 +39,28 @@ void SGD::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, in
   h.weight_decay = wd;
   h.nesterov = opts_.nesterov;
   h.first = step == 1;
+  return h;
+}
+
+void SGD::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
+                 double wd) {
   void* buf = buffers.empty() ? nullptr : buffers[0].data_ptr();
   const DType sdt = buffers.empty() ? state_dtype(p) : buffers[0].dtype();
-  kernels::cpu::sgd(p.dtype(), grad.dtype(), sdt, p.data_ptr(), grad.data_ptr(), buf, p.numel(), h);
+  kernels::cpu::sgd(p.dtype(), grad.dtype(), sdt, p.data_ptr(), grad.data_ptr(), buf, p.numel(),
+                    hyper(step, lr, wd));
+}
+
+void SGD::update_all_cuda(std::vector<Update>& updates) {
+  std::vector<kernels::cuda::SgdTensor> list;
+  list.reserve(updates.size());
+  for (Update& u : updates) {
+    const bool has_buf = !u.buffers.empty();
+    list.push_back({.param_dt = u.param.dtype(), .grad_dt = u.grad.dtype(),
+                    .state_dt = has_buf ? u.buffers[0].dtype() : state_dtype(u.param), .param = u.param.data_ptr(),
+                    .grad = u.grad.data_ptr(), .buf = has_buf ? u.buffers[0].data_ptr() : nullptr,
+                    .n = u.param.numel(), .hyper = hyper(u.step, u.lr, u.weight_decay)});
+  }
+  kernels::cuda::sgd_multi(list, ops::stream_handle(updates.front().param.device()));
 }
 
 }  // namespace quilt

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "engine/optim/optimizer.h"
+#include "kernels/cpu/optim.h"
 
 namespace quilt {
 
@@ -33,9 +34,10 @@ class SGD : public Optimizer {
  protected:
   void update(Tensor& param, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
               double weight_decay) override;
-  void update_all_cuda(std::vector<Update>& updates) override;  // defined in optimizer.cpp
+  void update_all_cuda(std::vector<Update>& updates) override;
 
  private:
+  kernels::cpu::SgdHyper hyper(int64_t step, double lr, double weight_decay) const;
   SGDOptions opts_;
 };
 

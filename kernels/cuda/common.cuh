@@ -1,6 +1,7 @@
-// Internal to kernels/cuda: storage <-> compute conversions, math overloads, and one
+// Internal to kernels/cuda: storage <-> compute conversions, math overloads, one
 // elementwise engine (a flat vectorised kernel and a strided one) shared by unary, binary,
-// where, copy and fill. Each .cu instantiates only the (op, dtype) pairs it dispatches to.
+// where, copy and fill, and the row-per-warp / row-per-block helpers of softmax and the
+// norms. Each .cu instantiates only the (op, dtype) pairs it dispatches to.
 //
 //   Elementwise<float, float, float>::launch(loop, AddFn{}, stream);   // out = f(a, b)
 #pragma once
@@ -29,6 +30,10 @@ int sm_count();
 [[noreturn]] void fail_dtype(const char* what, DType dt);
 /// Throws "[what] <message>".
 [[noreturn]] void fail_msg(const char* what, const char* message);
+/// Throws fail_dtype's message unless dt is a floating type.
+inline void check_float(const char* what, DType dt) {
+  if (!is_floating(dt)) fail_dtype(what, dt);
+}
 
 /// Blocks for a grid-stride loop over `work` items of `per_block` each, capped at a few waves.
 inline unsigned grid_for(int64_t work, int64_t per_block) {
@@ -252,5 +257,70 @@ struct Elementwise {
     QUILT_CHECK_LAUNCH();
   }
 };
+
+// ---- row kernels: a warp per row when cols <= kWarpMaxCols, a whole block otherwise --------
+inline constexpr int kRowsPerWarpBlock = 4;  // warp mode: blockDim (32, 4), one row per warp
+inline constexpr int64_t kWarpMaxCols = 1024;
+
+/// Where a thread of a row kernel sits: its row, its first column and the column step.
+template <bool kWarp>
+struct RowThread {
+  int64_t row;
+  int lane, step;
+  __device__ __forceinline__ RowThread() {
+    if constexpr (kWarp) {
+      row = int64_t(blockIdx.x) * kRowsPerWarpBlock + threadIdx.y;
+      lane = threadIdx.x;
+      step = 32;
+    } else {
+      row = blockIdx.x;
+      lane = threadIdx.x;
+      step = blockDim.x;
+    }
+  }
+};
+
+/// Sum across the threads of a row (warp shuffles, then shared memory in block mode); every
+/// thread gets the total. Block mode reuses one shared array, so it syncs before writing it (a
+/// second call may follow the first).
+template <bool kWarp, class C>
+__device__ __forceinline__ C row_sum(C v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if constexpr (kWarp) {
+    return v;
+  } else {
+    __shared__ C sh[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    C r = sh[0];
+    for (int w = 1; w < nw; ++w) r += sh[w];
+    return r;
+  }
+}
+
+/// Launch shape for a (rows, cols) job: warp per row for short rows, block per row otherwise.
+struct RowLaunch {
+  bool warp;
+  dim3 grid, block;
+};
+
+inline RowLaunch row_launch(const char* what, int64_t rows, int64_t cols) {
+  if (rows > (int64_t(1) << 31) - 1) fail_msg(what, "has more than 2^31 - 1 rows");
+  if (cols <= kWarpMaxCols)
+    return {true, dim3(unsigned((rows + kRowsPerWarpBlock - 1) / kRowsPerWarpBlock)), dim3(32, kRowsPerWarpBlock)};
+  const unsigned threads = cols <= 4096 ? 256u : cols <= 16384 ? 512u : 1024u;
+  return {false, dim3(unsigned(rows)), dim3(threads)};
+}
+
+/// Launches kernel<T, true> (warp per row) or kernel<T, false> (block per row) as RowLaunch `L`
+/// says; T must name the element type where it is used.
+#define QUILT_ROW_LAUNCH(L, stream, kernel, ...)                                  \
+  do {                                                                           \
+    if ((L).warp) kernel<T, true><<<(L).grid, (L).block, 0, stream>>>(__VA_ARGS__); \
+    else kernel<T, false><<<(L).grid, (L).block, 0, stream>>>(__VA_ARGS__);      \
+    QUILT_CHECK_LAUNCH();                                                        \
+  } while (0)
 
 }  // namespace quilt::kernels::cuda

@@ -12,46 +12,6 @@
 namespace quilt::kernels::cuda {
 namespace {
 
-constexpr int kRowsPerWarpBlock = 4;  // warp mode: blockDim (32, 4), one row per warp
-constexpr int64_t kWarpMaxCols = 1024;
-
-// Where a thread sits: its row, its first column and the column step.
-template <bool kWarp>
-struct RowPos {
-  int64_t row;
-  int lane, step;
-  __device__ __forceinline__ RowPos() {
-    if constexpr (kWarp) {
-      row = int64_t(blockIdx.x) * kRowsPerWarpBlock + threadIdx.y;
-      lane = threadIdx.x;
-      step = 32;
-    } else {
-      row = blockIdx.x;
-      lane = threadIdx.x;
-      step = blockDim.x;
-    }
-  }
-};
-
-// Sum across the threads of a row; every thread gets the total. Block mode reuses one shared
-// array, so it syncs before writing it (a second call may follow the first).
-template <bool kWarp, class C>
-__device__ __forceinline__ C row_sum(C v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if constexpr (kWarp) {
-    return v;
-  } else {
-    __shared__ C sh[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    C r = sh[0];
-    for (int w = 1; w < nw; ++w) r += sh[w];
-    return r;
-  }
-}
-
 template <class T>
 __device__ __forceinline__ compute_t<T> ld(const T* p, int64_t i) {
   return Num<T>::load(p[i]);
@@ -64,7 +24,7 @@ template <class T, bool kWarp>
 __global__ void rms_norm_forward_kernel(T* __restrict__ y, compute_t<T>* __restrict__ rstd, const T* __restrict__ x,
                                         const T* __restrict__ w, int64_t rows, int64_t cols, compute_t<T> eps) {
   using C = compute_t<T>;
-  const RowPos<kWarp> t;
+  const RowThread<kWarp> t;
   if (t.row >= rows) return;  // whole warp (warp mode) or whole block (block mode)
   const T* xr = x + t.row * cols;
   T* yr = y + t.row * cols;
@@ -88,7 +48,7 @@ __global__ void rms_norm_backward_kernel(T* __restrict__ gx, const T* __restrict
                                          const T* __restrict__ w, const compute_t<T>* __restrict__ rstd, int64_t rows,
                                          int64_t cols) {
   using C = compute_t<T>;
-  const RowPos<kWarp> t;
+  const RowThread<kWarp> t;
   if (t.row >= rows) return;
   const T* gr = g + t.row * cols;
   const T* xr = x + t.row * cols;
@@ -111,7 +71,7 @@ __global__ void layer_norm_forward_kernel(T* __restrict__ y, compute_t<T>* __res
                                           const T* __restrict__ w, const T* __restrict__ b, int64_t rows,
                                           int64_t cols, compute_t<T> eps) {
   using C = compute_t<T>;
-  const RowPos<kWarp> t;
+  const RowThread<kWarp> t;
   if (t.row >= rows) return;
   const T* xr = x + t.row * cols;
   T* yr = y + t.row * cols;
@@ -142,7 +102,7 @@ __global__ void layer_norm_backward_kernel(T* __restrict__ gx, const T* __restri
                                            const T* __restrict__ w, const compute_t<T>* __restrict__ mean,
                                            const compute_t<T>* __restrict__ rstd, int64_t rows, int64_t cols) {
   using C = compute_t<T>;
-  const RowPos<kWarp> t;
+  const RowThread<kWarp> t;
   if (t.row >= rows) return;
   const T* gr = g + t.row * cols;
   const T* xr = x + t.row * cols;
@@ -239,33 +199,6 @@ void norm_param_grads(T* gw, T* gb, const T* g, const T* x, const compute_t<T>* 
     QUILT_CHECK_LAUNCH();
   }
   workspace_free(part, s);
-}
-
-// ---- launch helpers ----
-
-struct RowLaunch {
-  bool warp;
-  dim3 grid, block;
-};
-
-RowLaunch row_launch(const char* what, int64_t rows, int64_t cols) {
-  if (rows > (int64_t(1) << 31) - 1) fail_msg(what, "has more than 2^31 - 1 rows");
-  if (cols <= kWarpMaxCols)
-    return {true, dim3(unsigned((rows + kRowsPerWarpBlock - 1) / kRowsPerWarpBlock)), dim3(32, kRowsPerWarpBlock)};
-  const unsigned threads = cols <= 4096 ? 256u : cols <= 16384 ? 512u : 1024u;
-  return {false, dim3(unsigned(rows)), dim3(threads)};
-}
-
-// Launches K<true> (warp per row) or K<false> (block per row) as `L` says.
-#define QUILT_ROW_LAUNCH(L, stream, kernel, ...)                                  \
-  do {                                                                           \
-    if ((L).warp) kernel<T, true><<<(L).grid, (L).block, 0, stream>>>(__VA_ARGS__); \
-    else kernel<T, false><<<(L).grid, (L).block, 0, stream>>>(__VA_ARGS__);      \
-    QUILT_CHECK_LAUNCH();                                                        \
-  } while (0)
-
-void check_float(const char* what, DType dt) {
-  if (!is_floating(dt)) fail_dtype(what, dt);
 }
 
 // ---- embedding ----

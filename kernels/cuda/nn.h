@@ -12,7 +12,7 @@
 #include <span>
 
 #include "kernels/cpu/index.h"  // IndexLoop, RowLoop: plain descriptors, nothing CPU-specific
-#include "kernels/cpu/optim.h"  // AdamWHyper, SgdHyper
+#include "kernels/cpu/optim.h"  // AdamWTensor, SgdHyper
 #include "kernels/dtype.h"
 
 namespace quilt::kernels::cuda {
@@ -69,16 +69,8 @@ void cumsum(DType in_dt, DType out_dt, const RowLoop& l, bool reverse, void* str
 
 // ---- optimizers (kernels/cuda/optim.cu) ----
 
-/// One tensor of a multi-tensor AdamW step on the device (as cpu::AdamWTensor).
-struct AdamWTensor {
-  DType param_dt = DType::f32, grad_dt = DType::f32, state_dt = DType::f32;
-  void* param = nullptr;
-  const void* grad = nullptr;
-  void* m = nullptr;
-  void* v = nullptr;
-  int64_t n = 0;
-  cpu::AdamWHyper hyper;
-};
+/// One tensor of a multi-tensor AdamW step: the CPU kernel's descriptor, with device pointers.
+using AdamWTensor = cpu::AdamWTensor;
 /// cpu::adamw on every tensor of the list, all on the current device: one launch per dtype
 /// combination, each block updating one chunk of one tensor (the tensor table lives in a
 /// stream-ordered workspace buffer).

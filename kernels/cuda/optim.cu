@@ -164,53 +164,54 @@ void by_dtypes(std::span<const T> tensors, F&& f) {
   }
 }
 
-}  // namespace
-
-void adamw_multi(std::span<const AdamWTensor> tensors, void* stream) {
-  const cudaStream_t s = as_stream(stream);
-  by_dtypes(tensors, [&](const std::vector<const AdamWTensor*>& group) {
-    const AdamWTensor& first = *group[0];
-    std::vector<AdamWEntry> entries;
+// One launch per dtype combination of `tensors`: entry(t) builds each tensor's table row,
+// launch(P{}, G{}, S{}, table, count, chunks, grid) starts the kernel on the uploaded table.
+template <class E, class T, class MakeEntry, class Launch>
+void multi_step(const char* what, std::span<const T> tensors, cudaStream_t s, MakeEntry&& entry, Launch&& launch) {
+  by_dtypes(tensors, [&](const std::vector<const T*>& group) {
+    const T& first = *group[0];
+    std::vector<E> entries;
     entries.reserve(group.size());
-    for (const AdamWTensor* t : group) {
-      const cpu::AdamWHyper& h = t->hyper;
-      entries.push_back({.param = t->param, .grad = t->grad, .m = t->m, .v = t->v, .n = t->n, .first_chunk = 0,
-                         .beta1 = h.beta1, .beta2 = h.beta2, .one_beta1 = 1.0 - h.beta1, .one_beta2 = 1.0 - h.beta2,
-                         .decay = 1.0 - h.lr * h.weight_decay, .step_size = h.lr / h.bias_correction1,
-                         .inv_sqrt_bc2 = 1.0 / std::sqrt(h.bias_correction2), .eps = h.eps});
-    }
-    dispatch("adamw", first.param_dt, first.grad_dt, first.state_dt, [&](auto p, auto g, auto st) {
-      using P = decltype(p);
-      using G = decltype(g);
-      using S = decltype(st);
-      launch_table(entries, s, [&](const AdamWEntry* table, int count, int64_t chunks, unsigned grid) {
-        adamw_multi_kernel<P, G, S><<<grid, kOptThreads, 0, s>>>(table, count, chunks);
+    for (const T* t : group) entries.push_back(entry(*t));
+    dispatch(what, first.param_dt, first.grad_dt, first.state_dt, [&](auto p, auto g, auto st) {
+      launch_table(entries, s, [&](const E* table, int count, int64_t chunks, unsigned grid) {
+        launch(p, g, st, table, count, chunks, grid);
       });
     });
   });
 }
 
+}  // namespace
+
+void adamw_multi(std::span<const AdamWTensor> tensors, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  multi_step<AdamWEntry>(
+      "adamw", tensors, s,
+      [](const AdamWTensor& t) {
+        const cpu::AdamWHyper& h = t.hyper;
+        return AdamWEntry{.param = t.param, .grad = t.grad, .m = t.m, .v = t.v, .n = t.n, .first_chunk = 0,
+                          .beta1 = h.beta1, .beta2 = h.beta2, .one_beta1 = 1.0 - h.beta1, .one_beta2 = 1.0 - h.beta2,
+                          .decay = 1.0 - h.lr * h.weight_decay, .step_size = h.lr / h.bias_correction1,
+                          .inv_sqrt_bc2 = 1.0 / std::sqrt(h.bias_correction2), .eps = h.eps};
+      },
+      [&](auto p, auto g, auto st, const AdamWEntry* table, int count, int64_t chunks, unsigned grid) {
+        adamw_multi_kernel<decltype(p), decltype(g), decltype(st)><<<grid, kOptThreads, 0, s>>>(table, count, chunks);
+      });
+}
+
 void sgd_multi(std::span<const SgdTensor> tensors, void* stream) {
   const cudaStream_t s = as_stream(stream);
-  by_dtypes(tensors, [&](const std::vector<const SgdTensor*>& group) {
-    const SgdTensor& first = *group[0];
-    std::vector<SgdEntry> entries;
-    entries.reserve(group.size());
-    for (const SgdTensor* t : group) {
-      const cpu::SgdHyper& h = t->hyper;
-      entries.push_back({.param = t->param, .grad = t->grad, .buf = t->buf, .n = t->n, .first_chunk = 0,
-                         .lr = h.lr, .weight_decay = h.weight_decay, .momentum = h.momentum,
-                         .damp = 1.0 - h.dampening, .nesterov = h.nesterov ? 1 : 0, .first = h.first ? 1 : 0});
-    }
-    dispatch("sgd", first.param_dt, first.grad_dt, first.state_dt, [&](auto p, auto g, auto st) {
-      using P = decltype(p);
-      using G = decltype(g);
-      using S = decltype(st);
-      launch_table(entries, s, [&](const SgdEntry* table, int count, int64_t chunks, unsigned grid) {
-        sgd_multi_kernel<P, G, S><<<grid, kOptThreads, 0, s>>>(table, count, chunks);
+  multi_step<SgdEntry>(
+      "sgd", tensors, s,
+      [](const SgdTensor& t) {
+        const cpu::SgdHyper& h = t.hyper;
+        return SgdEntry{.param = t.param, .grad = t.grad, .buf = t.buf, .n = t.n, .first_chunk = 0, .lr = h.lr,
+                        .weight_decay = h.weight_decay, .momentum = h.momentum, .damp = 1.0 - h.dampening,
+                        .nesterov = h.nesterov ? 1 : 0, .first = h.first ? 1 : 0};
+      },
+      [&](auto p, auto g, auto st, const SgdEntry* table, int count, int64_t chunks, unsigned grid) {
+        sgd_multi_kernel<decltype(p), decltype(g), decltype(st)><<<grid, kOptThreads, 0, s>>>(table, count, chunks);
       });
-    });
-  });
 }
 
 }  // namespace quilt::kernels::cuda

@@ -8,9 +8,6 @@
 namespace quilt::kernels::cuda {
 namespace {
 
-constexpr int kWarpRowsPerBlock = 4;  // warp mode: blockDim (32, 4), one row per warp
-constexpr int64_t kWarpMaxCols = 1024;
-
 // Running (max, sum of exp(x - max)) of a set of values.
 template <class C>
 struct MaxSum {
@@ -34,42 +31,7 @@ __device__ __forceinline__ void ms_add(MaxSum<C>& a, C x) {
   }
 }
 
-// Where a thread sits: its row, its first column and the column step.
-template <bool kWarp>
-struct RowThread {
-  int64_t row;
-  int lane, step;
-  __device__ __forceinline__ RowThread() {
-    if constexpr (kWarp) {
-      row = int64_t(blockIdx.x) * kWarpRowsPerBlock + threadIdx.y;
-      lane = threadIdx.x;
-      step = 32;
-    } else {
-      row = blockIdx.x;
-      lane = threadIdx.x;
-      step = blockDim.x;
-    }
-  }
-};
-
-// Sum / max-sum across the threads of a row (warp shuffles, then shared memory in block mode).
-template <bool kWarp, class C>
-__device__ __forceinline__ C row_sum(C v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if constexpr (kWarp) {
-    return v;
-  } else {
-    __shared__ C sh[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    C r = sh[0];
-    for (int w = 1; w < nw; ++w) r += sh[w];
-    return r;
-  }
-}
-
+// Max-sum across the threads of a row, reduced as row_sum (common.cuh) does.
 template <bool kWarp, class C>
 __device__ __forceinline__ MaxSum<C> row_max_sum(MaxSum<C> v) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -185,24 +147,6 @@ __global__ void cross_entropy_backward_kernel(T* __restrict__ grad, const T* __r
   }
 }
 
-// Launch shape for a (rows, cols) job: warp per row for short rows, block per row otherwise.
-struct RowLaunch {
-  bool warp;
-  dim3 grid, block;
-};
-
-RowLaunch row_launch(const char* what, int64_t rows, int64_t cols) {
-  if (rows > (int64_t(1) << 31) - 1) fail_msg(what, "has more than 2^31 - 1 rows");
-  if (cols <= kWarpMaxCols)
-    return {true, dim3(unsigned((rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock)), dim3(32, kWarpRowsPerBlock)};
-  const unsigned threads = cols <= 4096 ? 256u : cols <= 16384 ? 512u : 1024u;
-  return {false, dim3(unsigned(rows)), dim3(threads)};
-}
-
-void check_float(const char* what, DType dt) {
-  if (!is_floating(dt)) fail_dtype(what, dt);
-}
-
 }  // namespace
 
 void softmax_forward(DType dt, void* out, const void* in, int64_t rows, int64_t cols, bool log, void* stream) {
@@ -211,13 +155,8 @@ void softmax_forward(DType dt, void* out, const void* in, int64_t rows, int64_t 
   const RowLaunch L = row_launch("softmax", rows, cols);
   QUILT_DISPATCH_FLOATING(dt, [&] {
     using T = scalar_t;
-    if (L.warp)
-      softmax_forward_kernel<T, true><<<L.grid, L.block, 0, as_stream(stream)>>>(
-          static_cast<T*>(out), static_cast<const T*>(in), rows, cols, log);
-    else
-      softmax_forward_kernel<T, false><<<L.grid, L.block, 0, as_stream(stream)>>>(
-          static_cast<T*>(out), static_cast<const T*>(in), rows, cols, log);
-    QUILT_CHECK_LAUNCH();
+    QUILT_ROW_LAUNCH(L, as_stream(stream), softmax_forward_kernel, static_cast<T*>(out), static_cast<const T*>(in),
+                     rows, cols, log);
   });
 }
 
@@ -228,13 +167,8 @@ void softmax_backward(DType dt, void* grad_in, const void* grad_out, const void*
   const RowLaunch L = row_launch("softmax_backward", rows, cols);
   QUILT_DISPATCH_FLOATING(dt, [&] {
     using T = scalar_t;
-    if (L.warp)
-      softmax_backward_kernel<T, true><<<L.grid, L.block, 0, as_stream(stream)>>>(
-          static_cast<T*>(grad_in), static_cast<const T*>(grad_out), static_cast<const T*>(out), rows, cols, log);
-    else
-      softmax_backward_kernel<T, false><<<L.grid, L.block, 0, as_stream(stream)>>>(
-          static_cast<T*>(grad_in), static_cast<const T*>(grad_out), static_cast<const T*>(out), rows, cols, log);
-    QUILT_CHECK_LAUNCH();
+    QUILT_ROW_LAUNCH(L, as_stream(stream), softmax_backward_kernel, static_cast<T*>(grad_in),
+                     static_cast<const T*>(grad_out), static_cast<const T*>(out), rows, cols, log);
   });
 }
 
@@ -246,13 +180,8 @@ void cross_entropy_forward(DType dt, float* loss, const void* logits, const int6
   const RowLaunch L = row_launch("cross_entropy", rows, cols);
   QUILT_DISPATCH_FLOATING(dt, [&] {
     using T = scalar_t;
-    if (L.warp)
-      cross_entropy_forward_kernel<T, true><<<L.grid, L.block, 0, as_stream(stream)>>>(
-          loss, static_cast<const T*>(logits), target, rows, cols, ignore_index);
-    else
-      cross_entropy_forward_kernel<T, false><<<L.grid, L.block, 0, as_stream(stream)>>>(
-          loss, static_cast<const T*>(logits), target, rows, cols, ignore_index);
-    QUILT_CHECK_LAUNCH();
+    QUILT_ROW_LAUNCH(L, as_stream(stream), cross_entropy_forward_kernel, loss, static_cast<const T*>(logits), target,
+                     rows, cols, ignore_index);
   });
 }
 
@@ -263,13 +192,8 @@ void cross_entropy_backward(DType dt, void* grad_logits, const void* logits, con
   const RowLaunch L = row_launch("cross_entropy_backward", rows, cols);
   QUILT_DISPATCH_FLOATING(dt, [&] {
     using T = scalar_t;
-    if (L.warp)
-      cross_entropy_backward_kernel<T, true><<<L.grid, L.block, 0, as_stream(stream)>>>(
-          static_cast<T*>(grad_logits), static_cast<const T*>(logits), target, scale, rows, cols, ignore_index);
-    else
-      cross_entropy_backward_kernel<T, false><<<L.grid, L.block, 0, as_stream(stream)>>>(
-          static_cast<T*>(grad_logits), static_cast<const T*>(logits), target, scale, rows, cols, ignore_index);
-    QUILT_CHECK_LAUNCH();
+    QUILT_ROW_LAUNCH(L, as_stream(stream), cross_entropy_backward_kernel, static_cast<T*>(grad_logits),
+                     static_cast<const T*>(logits), target, scale, rows, cols, ignore_index);
   });
 }
 
