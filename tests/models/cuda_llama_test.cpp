@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/grad_norm.h"
 #include "engine/engine.h"
 #include "models/llama/llama.h"
 #include "tests/engine/cuda_util.h"
@@ -103,4 +104,36 @@ TEST_CASE("cuda: a dense Llama's bf16 forward on the GPU follows the f32 CPU mod
   const double err = std::sqrt(sum(square(got - want)).item<double>() / sum(square(want)).item<double>());
   INFO("relative error of the bf16 logits: " << err);
   CHECK(err < 3e-2);
+}
+
+TEST_CASE("cuda: gradient norm and clipping of a Llama's gradients on the GPU equal the CPU's") {
+  SKIP_WITHOUT_CUDA();
+  const LlamaConfig cfg = small_config();
+  LlamaForCausalLM on_cpu(cfg), on_gpu(cfg);
+  on_cpu.init_weights(3);
+  on_gpu.init_weights(3);
+  on_gpu.to(kGpu);
+  const Tensor tokens = randint(0, cfg.vocab_size, {2, 65}, RngKey(4, "tokens"));
+  auto backward = [](LlamaForCausalLM& m, const Tensor& tok) {
+    const int64_t t = tok.size(1) - 1;
+    const Tensor logits = m(contiguous(narrow(tok, 1, 0, t)), arange(0, double(t), 1, {.dtype = DType::i64, .device = tok.device()}));
+    cross_entropy(reshape(logits, {-1, logits.size(-1)}), reshape(contiguous(narrow(tok, 1, 1, t)), {-1})).backward();
+  };
+  backward(on_cpu, tokens);
+  backward(on_gpu, gpu(tokens));
+  const double want = dtensor::grad_norm(on_cpu.parameters()).item<double>();
+  const double got = dtensor::grad_norm(on_gpu.parameters()).item<double>();
+  CHECK(std::fabs(got - want) <= 1e-4 * want);
+  // Clip both to half the norm: every gradient is scaled alike on both devices.
+  dtensor::clip_grad_norm_(on_cpu.parameters(), want / 2);
+  dtensor::clip_grad_norm_(on_gpu.parameters(), want / 2);
+  const auto cpu_params = on_cpu.named_parameters(), gpu_params = on_gpu.named_parameters();
+  for (size_t i = 0; i < cpu_params.size(); ++i) {
+    // f32 sums in another order: within 1e-3 relative, or 1e-4 of the tensor's largest entry.
+    const Tensor& want_g = cpu_params[i].second.grad();
+    const double scale = max(abs(want_g)).item<double>();
+    check_close(gpu_params[i].second.grad().to(Device::cpu()), want_g, 1e-3, 1e-4 * scale,
+                gpu_params[i].first + " (clipped gradient)");
+  }
+  CHECK(std::fabs(dtensor::grad_norm(on_gpu.parameters()).item<double>() - want / 2) <= 1e-4 * want);
 }
