@@ -27,6 +27,9 @@ void cuda_event_synchronize(void* ev);
 bool cuda_event_query(void* ev);
 void* cuda_stream_create(int device);
 void cuda_stream_synchronize(void* stream);
+/// Throws what a kernel on `device` reported about its input since the last check (an index out
+/// of range, kernels::cuda::DeviceError), naming the op; nothing when none. After a sync.
+void cuda_check_device_errors(int device);
 // Graph capture in device `device`'s caching allocator (CachingPool::begin_capture & co.);
 // a pool is released once the last graph using it is reset.
 int cuda_pool_begin_capture(int device, void* stream, int pool);

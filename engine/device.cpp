@@ -41,7 +41,10 @@ Stream new_stream(Device d) {
 }
 
 void synchronize(const Stream& s) {
-  if (s.device.is_cuda()) detail::cuda_stream_synchronize(s.handle);
+  if (!s.device.is_cuda()) return;
+  detail::cuda_stream_synchronize(s.handle);
+  // Bad input the device's kernels met (they never stop on it) surfaces here, named.
+  detail::cuda_check_device_errors(s.device.index);
 }
 
 Event::Event(Device device) : device_(device) {

@@ -61,7 +61,8 @@ Stream current_stream(Device d);
 void set_current_stream(const Stream& s);
 /// A new non-default stream on `d` (the CPU has only one stream).
 Stream new_stream(Device d);
-/// Blocks until all work queued on `s` is done.
+/// Blocks until all work queued on `s` is done; then throws, naming the op, any bad input a
+/// kernel on that device reported since the last synchronisation (an index out of range).
 void synchronize(const Stream& s);
 
 /// RAII: makes `s` current on this thread for its device, restores the previous one after.

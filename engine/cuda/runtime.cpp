@@ -10,6 +10,7 @@
 #include "engine/device.h"
 #include "engine/error.h"
 #include "kernels/cuda/check.cuh"
+#include "kernels/cuda/kernels.h"
 
 namespace quilt {
 namespace {
@@ -142,6 +143,13 @@ void* cuda_stream_create(int device) {
 void cuda_stream_synchronize(void* stream) {
   require_cuda("stream");  // the default stream (nullptr) needs no creation, so check here too
   QUILT_CHECK_CUDA(cudaStreamSynchronize(as_stream(stream)));
+}
+
+void cuda_check_device_errors(int device) {
+  const kernels::cuda::DeviceError e = kernels::cuda::take_device_error(device);
+  if (e.op != 0)
+    fail(kernels::cuda::describe_device_error(e), " (found by a kernel on cuda:", device,
+         ", reported at the next synchronisation with the host)");
 }
 
 }  // namespace detail

@@ -45,6 +45,7 @@ void cuda_event_synchronize(void*) {}
 bool cuda_event_query(void*) { return true; }
 void* cuda_stream_create(int) { fail("[stream] has no CUDA implementation in this build"); }
 void cuda_stream_synchronize(void*) { fail("[stream] has no CUDA implementation in this build"); }
+void cuda_check_device_errors(int) {}  // no device: no kernel ran, nothing to report
 int cuda_pool_begin_capture(int, void*, int) { fail("[cuda graph] has no CUDA implementation in this build"); }
 void cuda_pool_end_capture(int, void*) {}
 void cuda_pool_release(int, int, void*) {}

@@ -5,12 +5,12 @@
 // but its forward is empty + copy_ into narrow views, so it runs on any device. stack, split,
 // chunk, argsort and one_hot are compositions of other ops.
 //
-// CUDA kernels (kernels/cuda/nn.h) run all six primitives. Index ranges are checked only for
-// CPU indices: checking CUDA ones would copy them to the host and synchronise inside the op.
+// CUDA kernels (kernels/cuda/nn.h) run all six primitives. Index ranges are checked on the host
+// for CPU indices; checking CUDA ones there would copy them back and synchronise inside the op.
 // On the device an out-of-range index reads zero (gather, index_select) or is skipped
-// (scatter_add, index_add), so a bad index gives wrong numbers, never a wild memory access.
-// A device-side error flag, reported later, would be the next step. CUDA sort/topk takes rows
-// of at most kernels::cuda::kSortMaxRow elements.
+// (scatter_add, index_add), never a wild memory access, and the kernel reports it: the next
+// synchronisation with the device throws naming the op, the index and the dim's size
+// (kernels::cuda::DeviceError). CUDA sort/topk takes rows of at most kSortMaxRow elements.
 #include "engine/ops/index.h"
 
 #include <array>
@@ -26,6 +26,8 @@
 
 namespace quilt {
 namespace {
+
+using kernels::cuda::DeviceErrorOp;
 
 // Kernels see a 0-d tensor as one element of a 1-D tensor.
 Shape dims_of(const Tensor& t) { return t.dim() ? t.shape() : Shape{1}; }
@@ -58,7 +60,10 @@ kernels::Loop<3> make_loop3(const Shape& shape, const std::array<Shape, 3>& stri
 
 // out[p] = x[p with dim := index[p]] for every position p of out; `istr` are index's strides
 // seen at out's shape (0 where index_select broadcasts its 1-D index).
-void gather_into(const Tensor& x, int64_t dim, const Tensor& index, const Shape& istr, const Tensor& out) {
+// `report_as`: the op a device kernel names when it meets an out-of-range index (none: the
+// indices were checked already, as in a backward).
+void gather_into(const Tensor& x, int64_t dim, const Tensor& index, const Shape& istr, const Tensor& out,
+                 kernels::cuda::DeviceErrorOp report_as) {
   if (out.numel() == 0) return;
   Shape xs = strides_of(x);
   kernels::IndexLoop l;
@@ -66,11 +71,14 @@ void gather_into(const Tensor& x, int64_t dim, const Tensor& index, const Shape&
   xs[size_t(dim)] = 0;
   l.loop = make_loop3(dims_of(out), {xs, istr, strides_of(out)}, {x.data_ptr(), index.data_ptr(), out.data_ptr()});
   if (x.device().is_cpu()) kernels::cpu::gather(x.dtype(), index.dtype(), l);
-  else kernels::cuda::gather(x.dtype(), index.dtype(), l, dims_of(x)[size_t(dim)], ops::stream_handle(x.device()));
+  else
+    kernels::cuda::gather(x.dtype(), index.dtype(), l, dims_of(x)[size_t(dim)], report_as,
+                          ops::stream_handle(x.device()));
 }
 
 // self[p with dim := index[p]] += src[p] for every position p of src.
-void scatter_add_into(const Tensor& self, int64_t dim, const Tensor& index, const Shape& istr, const Tensor& src) {
+void scatter_add_into(const Tensor& self, int64_t dim, const Tensor& index, const Shape& istr, const Tensor& src,
+                      kernels::cuda::DeviceErrorOp report_as) {
   if (src.numel() == 0) return;
   Shape shape = dims_of(src), ss = strides_of(self), srs = strides_of(src);
   kernels::IndexLoop l;
@@ -82,7 +90,7 @@ void scatter_add_into(const Tensor& self, int64_t dim, const Tensor& index, cons
   l.loop = make_loop3(shape, {ss, istr, srs}, {self.data_ptr(), index.data_ptr(), src.data_ptr()});
   if (self.device().is_cpu()) kernels::cpu::scatter_add(self.dtype(), index.dtype(), l);
   else
-    kernels::cuda::scatter_add(self.dtype(), index.dtype(), l, dims_of(self)[size_t(dim)],
+    kernels::cuda::scatter_add(self.dtype(), index.dtype(), l, dims_of(self)[size_t(dim)], report_as,
                                ops::stream_handle(self.device()));
 }
 
@@ -117,7 +125,7 @@ class Gather final : public Primitive {
     (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, dims_of(x)[size_t(dim_)]);
     Tensor out = Tensor::empty(index.shape(), {.dtype = x.dtype(), .device = x.device()});
-    gather_into(x, dim_, index, strides_of(index), out);
+    gather_into(x, dim_, index, strides_of(index), out, check_ ? DeviceErrorOp::gather : DeviceErrorOp::none);
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
@@ -141,7 +149,8 @@ class ScatterAdd final : public Primitive {
     (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, dims_of(x)[size_t(dim_)]);
     Tensor out = copy_of(x);
-    scatter_add_into(out, dim_, index, strides_of(index), src);
+    scatter_add_into(out, dim_, index, strides_of(index), src,
+                     check_ ? DeviceErrorOp::scatter_add : DeviceErrorOp::none);
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
@@ -168,7 +177,8 @@ class IndexSelect final : public Primitive {
     Shape shape = x.shape();
     shape[size_t(dim_)] = index.numel();
     Tensor out = Tensor::empty(shape, {.dtype = x.dtype(), .device = x.device()});
-    gather_into(x, dim_, index, broadcast_index_strides(index, shape.size(), dim_), out);
+    gather_into(x, dim_, index, broadcast_index_strides(index, shape.size(), dim_), out,
+                check_ ? DeviceErrorOp::index_select : DeviceErrorOp::none);
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
@@ -192,7 +202,8 @@ class IndexAdd final : public Primitive {
     (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, x.size(dim_));
     Tensor out = copy_of(x);
-    scatter_add_into(out, dim_, index, broadcast_index_strides(index, size_t(src.dim()), dim_), src);
+    scatter_add_into(out, dim_, index, broadcast_index_strides(index, size_t(src.dim()), dim_), src,
+                     check_ ? DeviceErrorOp::index_add : DeviceErrorOp::none);
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }

@@ -169,8 +169,10 @@ class CrossEntropy final : public Primitive {
     const Tensor x = contiguous(in[0].detach());
     const Tensor t = contiguous(in[1].detach());
     const int64_t n = x.size(0), c = x.size(1);
-    // Checked on the host: for CUDA targets this copies N indices back (one sync per call).
-    check_targets(t, c, ignore_);
+    // CPU targets are checked here; CUDA ones by the kernel, which reports a bad one on the
+    // device (the next synchronisation throws naming it), so the op does not sync. With no
+    // classes at all there is no kernel: every target must be ignored, checked here.
+    if (t.device().is_cpu() || c == 0) check_targets(t, c, ignore_);
     if (x.device().is_cpu()) {
       Tensor loss = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
       lse_ = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
@@ -608,8 +610,9 @@ class Embedding final : public Primitive {
     os.push_back(dim);
     Tensor out = Tensor::empty(os, {.dtype = w.dtype(), .device = w.device()});
     if (!w.device().is_cpu()) {
-      // Not checked on the device: a host check would copy the indices back and synchronise
-      // every forward. An out-of-range index yields a zero row (and no gradient) instead.
+      // Checked by the kernel, not here (a host check would copy the indices back and sync every
+      // forward): an out-of-range index yields a zero row (and no gradient) and is reported on
+      // the device, so the next synchronisation throws naming it.
       kernels::cuda::embedding_forward(w.dtype(), out.data_ptr(), w.data_ptr(), idx.dtype(), idx.data_ptr(),
                                        idx.numel(), vocab, dim, stream_of(w));
       return {out};

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "kernels/cuda/check.cuh"
+#include "kernels/cuda/kernels.h"
 #include "kernels/dtype.h"
 #include "kernels/loop.h"
 
@@ -24,6 +25,18 @@ namespace quilt::kernels::cuda {
 inline constexpr int kBlock = 256;  // threads per block of the elementwise kernels
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+/// Reports bad input found by a kernel (kernels.h's DeviceError): the first report since the
+/// host last took the slot wins; later ones are dropped. `e` null: the caller asked for none.
+__device__ __forceinline__ void report_device_error(DeviceError* e, DeviceErrorOp op, int64_t value, int64_t bound,
+                                                    int64_t position) {
+  if (!e) return;
+  if (atomicCAS(&e->op, 0, static_cast<int32_t>(op)) == 0) {
+    e->value = value;
+    e->bound = bound;
+    e->position = position;
+  }
+}
 /// Multiprocessors of the current device (cached per device).
 int sm_count();
 /// Throws "[what] has no CUDA kernel for <dtype>" (the engine's checks normally come first).

@@ -1,7 +1,8 @@
 // CUDA gather / scatter-add (which also serve index_select / index_add through a stride-0
 // index), sort / top-k and cumsum, on the loop descriptors of kernels/cpu/index.h. Index math
-// is 64-bit. Indices are not validated here (that would need a host sync or an error flag):
-// gather reads zero and scatter_add skips an index outside [0, dim_size).
+// is 64-bit. An index outside [0, dim_size) is never followed (gather reads zero, scatter_add
+// skips it) and, when the engine asks, is reported on the device (kernels.h's DeviceError): the
+// engine throws at its next synchronisation, with no host sync inside the op.
 #include <climits>
 
 #include "kernels/cuda/common.cuh"
@@ -28,9 +29,11 @@ __device__ __forceinline__ void offsets_of(const Loop<N>& l, int64_t i, int64_t 
 // ---- gather / scatter-add ----
 
 // Operands of l.loop: self (x), index, other (out). For every position p: out[p] =
-// x[p + index[p] * self_dim_stride], or zero when index[p] is outside [0, dim_size).
+// x[p + index[p] * self_dim_stride], or zero when index[p] is outside [0, dim_size) (reported to
+// `err` as `op`, with the index element's offset).
 template <class T, class I>
-__global__ void gather_kernel(const __grid_constant__ IndexLoop l, int64_t n, int64_t dim_size) {
+__global__ void gather_kernel(const __grid_constant__ IndexLoop l, int64_t n, int64_t dim_size, DeviceError* err,
+                              DeviceErrorOp op) {
   const T* x = static_cast<const T*>(l.loop.data[0]);
   const I* index = static_cast<const I*>(l.loop.data[1]);
   T* out = static_cast<T*>(l.loop.data[2]);
@@ -39,7 +42,9 @@ __global__ void gather_kernel(const __grid_constant__ IndexLoop l, int64_t n, in
     int64_t off[3];
     offsets_of(l.loop, i, off);
     const int64_t v = int64_t(index[off[1]]);
-    out[off[2]] = (v >= 0 && v < dim_size) ? x[off[0] + v * l.self_dim_stride] : T{};
+    const bool in_range = v >= 0 && v < dim_size;
+    if (!in_range) report_device_error(err, op, v, dim_size, off[1]);
+    out[off[2]] = in_range ? x[off[0] + v * l.self_dim_stride] : T{};
   }
 }
 
@@ -47,7 +52,8 @@ __global__ void gather_kernel(const __grid_constant__ IndexLoop l, int64_t n, in
 // position and walks the indexed dim in order: self[.. index[j] ..] += other[.. j ..], rounded
 // to T after every add, as on the CPU. Distinct positions never share a target element.
 template <class T, class I>
-__global__ void scatter_add_kernel(const __grid_constant__ IndexLoop l, int64_t positions, int64_t dim_size) {
+__global__ void scatter_add_kernel(const __grid_constant__ IndexLoop l, int64_t positions, int64_t dim_size,
+                                   DeviceError* err, DeviceErrorOp op) {
   T* self = static_cast<T*>(l.loop.data[0]);
   const I* index = static_cast<const I*>(l.loop.data[1]);
   const T* other = static_cast<const T*>(l.loop.data[2]);
@@ -57,7 +63,10 @@ __global__ void scatter_add_kernel(const __grid_constant__ IndexLoop l, int64_t 
     offsets_of(l.loop, i, off);
     for (int64_t j = 0; j < l.n; ++j) {
       const int64_t v = int64_t(index[off[1] + j * l.index_dim_stride]);
-      if (v < 0 || v >= dim_size) continue;
+      if (v < 0 || v >= dim_size) {
+        report_device_error(err, op, v, dim_size, off[1] + j * l.index_dim_stride);
+        continue;
+      }
       T& t = self[off[0] + v * l.self_dim_stride];
       t = Num<T>::store(Num<T>::load(t) + Num<T>::load(other[off[2] + j * l.other_dim_stride]));
     }
@@ -179,29 +188,32 @@ __global__ void cumsum_kernel(const __grid_constant__ RowLoop l, int64_t rows, b
 
 }  // namespace
 
-void gather(DType dt, DType index_dt, const IndexLoop& l, int64_t dim_size, void* stream) {
+void gather(DType dt, DType index_dt, const IndexLoop& l, int64_t dim_size, DeviceErrorOp report_as, void* stream) {
   const int64_t n = l.loop.numel();
   if (n == 0) return;
+  DeviceError* err = report_as == DeviceErrorOp::none ? nullptr : device_error_slot();
   QUILT_DISPATCH_ALL(dt, [&] {
     using T = scalar_t;
     with_index("gather", index_dt, [&](auto tag) {
       using I = decltype(tag);
-      gather_kernel<T, I><<<grid_for(n, kBlock), kBlock, 0, as_stream(stream)>>>(l, n, dim_size);
+      gather_kernel<T, I><<<grid_for(n, kBlock), kBlock, 0, as_stream(stream)>>>(l, n, dim_size, err, report_as);
       QUILT_CHECK_LAUNCH();
     });
   });
 }
 
-void scatter_add(DType dt, DType index_dt, const IndexLoop& l, int64_t dim_size, void* stream) {
+void scatter_add(DType dt, DType index_dt, const IndexLoop& l, int64_t dim_size, DeviceErrorOp report_as,
+                 void* stream) {
   if (dt == DType::b8) fail_dtype("scatter_add", dt);
   const int64_t positions = l.loop.numel();
   if (positions == 0 || l.n == 0) return;
+  DeviceError* err = report_as == DeviceErrorOp::none ? nullptr : device_error_slot();
   QUILT_DISPATCH_ALL(dt, [&] {
     using T = scalar_t;
     with_index("scatter_add", index_dt, [&](auto tag) {
       using I = decltype(tag);
       scatter_add_kernel<T, I><<<grid_for(positions, kBlock), kBlock, 0, as_stream(stream)>>>(l, positions,
-                                                                                              dim_size);
+                                                                                              dim_size, err, report_as);
       QUILT_CHECK_LAUNCH();
     });
   });

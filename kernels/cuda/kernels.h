@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "kernels/dtype.h"
 #include "kernels/loop.h"
@@ -34,7 +35,8 @@ void softmax_forward(DType dt, void* out, const void* in, int64_t rows, int64_t 
 void softmax_backward(DType dt, void* grad_in, const void* grad_out, const void* out, int64_t rows,
                       int64_t cols, bool log, void* stream);
 /// Per-row cross entropy: loss[r] = logsumexp(x[r]) - x[r][t[r]] (0 where t == ignore);
-/// logits (rows, cols) contiguous, targets i64.
+/// logits (rows, cols) contiguous, targets i64. A target outside [0, cols) gives NaN and is
+/// reported on the device (DeviceError below).
 void cross_entropy_forward(DType dt, float* loss, const void* logits, const int64_t* target, int64_t rows,
                            int64_t cols, int64_t ignore_index, void* stream);
 /// grad_logits[r] = scale[r] * (softmax(x[r]) - onehot(t[r])) (0 rows where ignored);
@@ -44,6 +46,28 @@ void cross_entropy_backward(DType dt, void* grad_logits, const void* logits, con
 
 /// True when kernels were compiled into this build.
 bool compiled();
+
+/// Bad input a kernel finds on the device, where it cannot stop (an index or a target out of
+/// range): it does what keeps memory safe (reads zero, skips, or writes NaN) and reports here.
+/// The first report on a device since the last take_device_error() wins; the engine takes it at
+/// its next synchronisation with that device and throws describe_device_error(). No host sync
+/// happens inside the op.
+enum class DeviceErrorOp : int32_t { none = 0, gather, scatter_add, index_select, index_add, embedding, cross_entropy };
+struct DeviceError {
+  int32_t op = 0;         // a DeviceErrorOp; 0: nothing reported
+  int32_t reserved = 0;
+  int64_t value = 0;      // the offending index or target
+  int64_t bound = 0;      // it had to lie in [0, bound) (a target may also be ignore_index)
+  int64_t position = 0;   // its element: the offset into the index tensor, or the target's row
+};
+/// The report slot of the current device (device memory, zeroed, made on first use), for a
+/// kernel launch; marks the device as having a reporting kernel in flight.
+DeviceError* device_error_slot();
+/// The report of `device` since the last take (op 0 when none), cleared. Reads the device only
+/// when a reporting kernel was launched there since the last take; call after a synchronisation.
+DeviceError take_device_error(int device);
+/// "[embedding] index 70000 (element 5 of the indices) is out of range for 32000 rows", ...
+std::string describe_device_error(const DeviceError& e);
 
 /// Where kernels get device scratch memory (reduction partials, GEMM pointer arrays, cuBLAS
 /// workspaces): stream-ordered blocks, freed right after the kernels that use them are queued.

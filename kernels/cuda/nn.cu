@@ -203,16 +203,19 @@ void norm_param_grads(T* gw, T* gb, const T* g, const T* x, const compute_t<T>* 
 
 // ---- embedding ----
 
-// out (n, dim) = weight (vocab, dim) rows at index (n); zeros for out-of-range indices.
+// out (n, dim) = weight (vocab, dim) rows at index (n); zeros for out-of-range indices, each
+// reported to `err` once (by its row's first element).
 template <class T, class I>
 __global__ void embedding_forward_kernel(T* __restrict__ out, const T* __restrict__ weight, const I* __restrict__ index,
-                                         int64_t n, int64_t vocab, int64_t dim) {
+                                         int64_t n, int64_t vocab, int64_t dim, DeviceError* err) {
   const int64_t total = n * dim;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
     const int64_t i = e / dim, j = e - i * dim;
     const int64_t v = int64_t(index[i]);
-    out[e] = (v >= 0 && v < vocab) ? weight[v * dim + j] : Num<T>::store(0.0f);
+    const bool in_range = v >= 0 && v < vocab;
+    if (!in_range && j == 0) report_device_error(err, DeviceErrorOp::embedding, v, vocab, i);
+    out[e] = in_range ? weight[v * dim + j] : Num<T>::store(0.0f);
   }
 }
 
@@ -326,12 +329,13 @@ void embedding_forward(DType dt, void* out, const void* weight, DType index_dt, 
                        int64_t vocab, int64_t dim, void* stream) {
   check_float("embedding", dt);
   if (n == 0 || dim == 0) return;
+  DeviceError* err = device_error_slot();
   QUILT_DISPATCH_FLOATING(dt, [&] {
     using T = scalar_t;
     with_index("embedding", index_dt, [&](auto tag) {
       using I = decltype(tag);
       embedding_forward_kernel<T, I><<<grid_for(n * dim, kBlock), kBlock, 0, as_stream(stream)>>>(
-          static_cast<T*>(out), static_cast<const T*>(weight), static_cast<const I*>(index), n, vocab, dim);
+          static_cast<T*>(out), static_cast<const T*>(weight), static_cast<const I*>(index), n, vocab, dim, err);
       QUILT_CHECK_LAUNCH();
     });
   });

@@ -13,6 +13,7 @@
 
 #include "kernels/cpu/index.h"  // IndexLoop, RowLoop: plain descriptors, nothing CPU-specific
 #include "kernels/cpu/optim.h"  // AdamWTensor, SgdHyper
+#include "kernels/cuda/kernels.h"  // DeviceErrorOp
 #include "kernels/dtype.h"
 
 namespace quilt::kernels::cuda {
@@ -40,8 +41,8 @@ void layer_norm_backward(DType dt, void* grad_x, void* grad_weight, void* grad_b
 // ---- embedding (kernels/cuda/nn.cu) ----
 
 /// out (n, dim) = weight[index[i]] rows; weight (vocab, dim); index (n) of `index_dt` (i32/i64).
-/// Indices are NOT checked on the device (that would need a host sync): a row whose index is
-/// outside [0, vocab) is written as zeros.
+/// A row whose index is outside [0, vocab) is written as zeros and the index is reported on the
+/// device (kernels.h's DeviceError; no host sync here).
 void embedding_forward(DType dt, void* out, const void* weight, DType index_dt, const void* index, int64_t n,
                        int64_t vocab, int64_t dim, void* stream);
 /// grad_weight (vocab, dim) = sum over i with index[i] == v of grad_out[i] (n, dim), zero rows
@@ -53,12 +54,14 @@ void embedding_backward(DType dt, void* grad_weight, const void* grad_out, DType
 // ---- indexing and ordering (kernels/cuda/index.cu) ----
 
 /// other[p] = self[p with dim := index[p]] (IndexLoop as on the CPU, device pointers). An
-/// index outside [0, dim_size) reads zero (the engine checks only CPU indices: see index.cpp).
-void gather(DType dt, DType index_dt, const IndexLoop& l, int64_t dim_size, void* stream);
+/// index outside [0, dim_size) reads zero and, unless `report_as` is none, is reported on the
+/// device under that op's name (kernels.h's DeviceError).
+void gather(DType dt, DType index_dt, const IndexLoop& l, int64_t dim_size, DeviceErrorOp report_as, void* stream);
 /// self[p with dim := index[p]] += other[p]; each target element is owned by one thread that
 /// walks the indexed dim in order, so duplicates accumulate deterministically. Out-of-range
-/// indices are skipped.
-void scatter_add(DType dt, DType index_dt, const IndexLoop& l, int64_t dim_size, void* stream);
+/// indices are skipped and reported like gather's.
+void scatter_add(DType dt, DType index_dt, const IndexLoop& l, int64_t dim_size, DeviceErrorOp report_as,
+                 void* stream);
 /// Stable sort of each row (NaN last ascending, first descending), first l.k written (top-k);
 /// out0 values, out1 i64 positions. Rows of at most kSortMaxRow elements.
 void sort(DType dt, const RowLoop& l, bool descending, void* stream);

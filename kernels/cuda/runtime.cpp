@@ -1,10 +1,12 @@
 // Host-side helpers of the CUDA kernels: error throwing for QUILT_CHECK_CUDA / QUILT_CHECK_CUBLAS,
-// the cached multiprocessor count, and compiled().
+// the cached multiprocessor count, compiled(), the scratch-memory hook and the device-side
+// error reports.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <array>
 #include <atomic>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -88,6 +90,82 @@ void workspace_free(void* ptr, cudaStream_t stream) {
     return;
   }
   QUILT_CHECK_CUDA(cudaFreeAsync(ptr, stream));
+}
+
+// ---- device-side error reports ----
+
+namespace {
+constexpr int kMaxDevices = 64;
+std::mutex g_slots_mu;
+DeviceError* g_slots[kMaxDevices] = {};
+std::atomic<bool> g_pending[kMaxDevices] = {};
+
+int current_device() {
+  int dev = 0;
+  QUILT_CHECK_CUDA(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) fail_msg("device errors", "device index out of range");
+  return dev;
+}
+}  // namespace
+
+DeviceError* device_error_slot() {
+  const int dev = current_device();
+  std::lock_guard lk(g_slots_mu);
+  if (!g_slots[dev]) {
+    // Kept for the life of the process. Made outside any graph capture's rules (a capture may
+    // run the first reporting kernel): the thread's capture mode is relaxed for the two calls.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    QUILT_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, sizeof(DeviceError));
+    if (err == cudaSuccess) err = cudaMemset(p, 0, sizeof(DeviceError));
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    QUILT_CHECK_CUDA(err);
+    g_slots[dev] = static_cast<DeviceError*>(p);
+  }
+  g_pending[dev].store(true, std::memory_order_release);
+  return g_slots[dev];
+}
+
+DeviceError take_device_error(int device) {
+  if (device < 0 || device >= kMaxDevices || !g_pending[device].exchange(false, std::memory_order_acq_rel)) return {};
+  DeviceError* slot = nullptr;
+  {
+    std::lock_guard lk(g_slots_mu);
+    slot = g_slots[device];
+  }
+  if (!slot) return {};
+  int prev = 0;
+  QUILT_CHECK_CUDA(cudaGetDevice(&prev));
+  QUILT_CHECK_CUDA(cudaSetDevice(device));
+  DeviceError e;
+  // Plain copies: the caller has synchronised the streams that ran the reporting kernels.
+  cudaError_t err = cudaMemcpy(&e, slot, sizeof e, cudaMemcpyDeviceToHost);
+  if (err == cudaSuccess && e.op != 0) err = cudaMemset(slot, 0, sizeof e);
+  cudaSetDevice(prev);
+  QUILT_CHECK_CUDA(err);
+  return e;
+}
+
+std::string describe_device_error(const DeviceError& e) {
+  const auto v = std::to_string(e.value), b = std::to_string(e.bound), at = std::to_string(e.position);
+  switch (static_cast<DeviceErrorOp>(e.op)) {
+    case DeviceErrorOp::none: return "";
+    case DeviceErrorOp::gather:
+    case DeviceErrorOp::scatter_add:
+    case DeviceErrorOp::index_select:
+    case DeviceErrorOp::index_add: {
+      static const char* const names[] = {"", "gather", "scatter_add", "index_select", "index_add"};
+      return std::string("[") + names[e.op] + "] index " + v + " (element " + at +
+             " of the index) is out of range for a dim of size " + b;
+    }
+    case DeviceErrorOp::embedding:  // worded as the CPU's check words it
+      return "[embedding] index " + v + " at position " + at + " is out of range for a vocabulary of " + b + " rows";
+    case DeviceErrorOp::cross_entropy:
+      return "[cross_entropy] target " + v + " at row " + at + " is out of range for " + b + " classes (valid: 0 to " +
+             std::to_string(e.bound - 1) + ", or ignore_index)";
+  }
+  return "[cuda] a kernel reported bad input (op code " + std::to_string(e.op) + ")";
 }
 
 }  // namespace quilt::kernels::cuda

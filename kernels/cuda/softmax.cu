@@ -104,7 +104,7 @@ __global__ void softmax_backward_kernel(T* __restrict__ gin, const T* __restrict
 template <class T, bool kWarp>
 __global__ void cross_entropy_forward_kernel(float* __restrict__ loss, const T* __restrict__ logits,
                                              const int64_t* __restrict__ target, int64_t rows, int64_t cols,
-                                             int64_t ignore_index) {
+                                             int64_t ignore_index, DeviceError* err) {
   using C = compute_t<T>;
   const RowThread<kWarp> t;
   if (t.row >= rows) return;
@@ -116,8 +116,9 @@ __global__ void cross_entropy_forward_kernel(float* __restrict__ loss, const T* 
   const T* x = logits + t.row * cols;
   const MaxSum<C> ms = row_stats<kWarp, T>(x, cols, t);
   if (t.lane != 0) return;
-  if (tgt < 0 || tgt >= cols) {
-    loss[t.row] = NAN;  // out-of-range class: the engine checks targets; this keeps the kernel safe
+  if (tgt < 0 || tgt >= cols) {  // out-of-range class: NaN here, and the host is told
+    loss[t.row] = NAN;
+    report_device_error(err, DeviceErrorOp::cross_entropy, tgt, cols, t.row);
     return;
   }
   loss[t.row] = static_cast<float>(ms.m + m_log(ms.s) - Num<T>::load(x[tgt]));
@@ -178,10 +179,11 @@ void cross_entropy_forward(DType dt, float* loss, const void* logits, const int6
   if (rows == 0) return;
   if (cols == 0) fail_msg("cross_entropy", "needs at least one class");
   const RowLaunch L = row_launch("cross_entropy", rows, cols);
+  DeviceError* err = device_error_slot();
   QUILT_DISPATCH_FLOATING(dt, [&] {
     using T = scalar_t;
     QUILT_ROW_LAUNCH(L, as_stream(stream), cross_entropy_forward_kernel, loss, static_cast<const T*>(logits), target,
-                     rows, cols, ignore_index);
+                     rows, cols, ignore_index, err);
   });
 }
 

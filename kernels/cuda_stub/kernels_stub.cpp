@@ -32,5 +32,8 @@ void cross_entropy_backward(DType, void*, const void*, const int64_t*, const flo
   missing("cross_entropy_backward");
 }
 bool compiled() { return false; }
+DeviceError* device_error_slot() { missing("device errors"); }
+DeviceError take_device_error(int) { return {}; }  // no device, so nothing was reported
+std::string describe_device_error(const DeviceError&) { return ""; }
 
 }  // namespace quilt::kernels::cuda

@@ -32,8 +32,8 @@ void embedding_forward(DType, void*, const void*, DType, const void*, int64_t, i
 void embedding_backward(DType, void*, const void*, DType, const void*, int64_t, int64_t, int64_t, void*) {
   missing("embedding_backward");
 }
-void gather(DType, DType, const IndexLoop&, int64_t, void*) { missing("gather"); }
-void scatter_add(DType, DType, const IndexLoop&, int64_t, void*) { missing("scatter_add"); }
+void gather(DType, DType, const IndexLoop&, int64_t, DeviceErrorOp, void*) { missing("gather"); }
+void scatter_add(DType, DType, const IndexLoop&, int64_t, DeviceErrorOp, void*) { missing("scatter_add"); }
 void sort(DType, const RowLoop&, bool, void*) { missing("sort"); }
 void cumsum(DType, DType, const RowLoop&, bool, void*) { missing("cumsum"); }
 void adamw_multi(std::span<const AdamWTensor>, void*) { missing("adamw"); }

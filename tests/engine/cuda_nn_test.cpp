@@ -124,16 +124,47 @@ TEST_CASE("cuda: embedding matches the CPU forward and backward, with repeated, 
       check_op(what + " no indices", {w, zeros({0}, {.dtype = idt})}, {true, false}, f, 0, 0, 0, 0);
     }
   }
-  // Not checked on the device (no host sync inside the op): an out-of-range index gives a zero
-  // row there, while the CPU rejects it.
+  // The CPU rejects an out-of-range index in the op; the GPU kernel writes a zero row, reports
+  // the index on the device, and the next synchronisation throws naming it (no sync in the op).
   const Tensor w = randn({10, 4}, RngKey(8, "w"));
   const Tensor bad = from_vector({1, 10, -1, 3}, {4}, {.dtype = DType::i64});
   CHECK_THROWS_WITH_AS(embedding(w, bad), doctest::Contains("[embedding] index 10 at position 1 is out of range"),
                        Error);
-  const Tensor y = embedding(gpu(w), gpu(bad)).to(Device::cpu());
+  const Tensor on_gpu = embedding(gpu(w), gpu(bad));
+  // Which of the two bad indices is reported first is up to the device's threads.
+  CHECK_THROWS_WITH_AS(synchronize(current_stream(kGpu)),
+                       doctest::Contains("is out of range for a vocabulary of 10 rows"), Error);
+  const Tensor y = on_gpu.to(Device::cpu());  // the report was taken: this synchronisation is clean
   check_equal(y.select(0, 0), w.select(0, 1), "embedding in-range row");
   check_equal(y.select(0, 1), zeros({4}), "embedding out-of-range row (too large)");
   check_equal(y.select(0, 2), zeros({4}), "embedding out-of-range row (negative)");
+}
+
+TEST_CASE("cuda: an out-of-range index or target on the GPU is reported at the next synchronisation, naming the op") {
+  SKIP_WITHOUT_CUDA();
+  const Tensor x = randn({3, 5}, RngKey(1, "x"));
+  const Tensor bad = from_vector({0, 7, 2}, {3}, {.dtype = DType::i64});  // 7: past dim 1 of size 5
+  const Tensor bad2 = from_vector({0, 7, 2, 1, 4, 3}, {3, 2}, {.dtype = DType::i64});
+  auto reports = [&](const std::function<Tensor()>& op, const std::string& message) {
+    INFO(message);
+    Tensor out;
+    CHECK_NOTHROW(out = op());  // the op itself never waits for the device
+    CHECK_THROWS_WITH_AS(out.to(Device::cpu()), doctest::Contains(message.c_str()), Error);
+    CHECK_NOTHROW(synchronize(current_stream(kGpu)));  // taken once: the next sync is clean
+  };
+  reports([&] { return index_select(gpu(x), 1, gpu(bad)); },
+          "[index_select] index 7 (element 1 of the index) is out of range for a dim of size 5");
+  reports([&] { return gather(gpu(x), 1, gpu(bad2)); },
+          "[gather] index 7 (element 1 of the index) is out of range for a dim of size 5");
+  reports([&] { return index_add(gpu(x), 1, gpu(bad), gpu(randn({3, 3}, RngKey(2, "s")))); },
+          "[index_add] index 7 (element 1 of the index) is out of range for a dim of size 5");
+  reports([&] { return scatter_add(gpu(x), 1, gpu(bad2), gpu(randn({3, 2}, RngKey(3, "s")))); },
+          "[scatter_add] index 7 (element 1 of the index) is out of range for a dim of size 5");
+  const Tensor targets = from_vector({1, -100, 9}, {3}, {.dtype = DType::i64});  // 9: past 5 classes
+  reports([&] { return cross_entropy(gpu(x), gpu(targets), -100, Reduction::none); },
+          "[cross_entropy] target 9 at row 2 is out of range for 5 classes");
+  // In-range input reports nothing.
+  CHECK_NOTHROW(cross_entropy(gpu(x), gpu(from_vector({1, -100, 4}, {3}, {.dtype = DType::i64}))).item<double>());
 }
 
 TEST_CASE("cuda: gather and scatter_add match the CPU forward and backward along each dim") {
