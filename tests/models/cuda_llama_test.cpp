@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,12 +31,31 @@ LlamaConfig small_config() {
   return cfg;
 }
 
-// One step: the mean next-token loss of (B, T+1) tokens, its backward and an AdamW update.
-double train_step(LlamaForCausalLM& model, AdamW& opt, const Tensor& tokens) {
+// The same small model on both devices: weights drawn on the CPU from `seed` (Philox by name),
+// the GPU copy in `gpu_dtype`.
+struct Twins {
+  std::unique_ptr<LlamaForCausalLM> cpu, gpu;
+};
+Twins twins(uint64_t seed, DType gpu_dtype = DType::f32) {
+  Twins t{std::make_unique<LlamaForCausalLM>(small_config()), std::make_unique<LlamaForCausalLM>(small_config())};
+  t.cpu->init_weights(seed);
+  t.gpu->init_weights(seed);
+  if (gpu_dtype != DType::f32) t.gpu->to(gpu_dtype);
+  t.gpu->to(kGpu);
+  return t;
+}
+
+// The mean next-token loss of (B, T+1) tokens, on the tokens' device.
+Tensor next_token_loss(LlamaForCausalLM& model, const Tensor& tokens) {
   const int64_t t = tokens.size(1) - 1;
   const Tensor inputs = contiguous(narrow(tokens, 1, 0, t)), targets = contiguous(narrow(tokens, 1, 1, t));
   const Tensor logits = model(inputs, arange(0, double(t), 1, {.dtype = DType::i64, .device = tokens.device()}));
-  Tensor loss = cross_entropy(reshape(logits, {-1, logits.size(-1)}), reshape(targets, {-1}));
+  return cross_entropy(reshape(logits, {-1, logits.size(-1)}), reshape(targets, {-1}));
+}
+
+// One step: the loss, its backward and an AdamW update.
+double train_step(LlamaForCausalLM& model, AdamW& opt, const Tensor& tokens) {
+  Tensor loss = next_token_loss(model, tokens);
   loss.backward();
   opt.step();
   opt.zero_grad();
@@ -47,10 +67,8 @@ double train_step(LlamaForCausalLM& model, AdamW& opt, const Tensor& tokens) {
 TEST_CASE("cuda: a dense Llama trains on the GPU and follows the CPU's losses, step by step") {
   SKIP_WITHOUT_CUDA();
   const LlamaConfig cfg = small_config();
-  LlamaForCausalLM on_cpu(cfg), on_gpu(cfg);
-  on_cpu.init_weights(11);
-  on_gpu.init_weights(11);
-  on_gpu.to(kGpu);
+  Twins m = twins(11);
+  LlamaForCausalLM &on_cpu = *m.cpu, &on_gpu = *m.gpu;
   for (const auto& [name, p] : on_gpu.named_parameters()) CHECK_MESSAGE(p.device() == kGpu, name);
   const AdamWOptions o{.lr = 3e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
   AdamW opt_cpu(on_cpu.parameters(), o), opt_gpu(on_gpu.parameters(), o);
@@ -90,13 +108,9 @@ TEST_CASE("cuda: a dense Llama trains on the GPU and follows the CPU's losses, s
 
 TEST_CASE("cuda: a dense Llama's bf16 forward on the GPU follows the f32 CPU model") {
   SKIP_WITHOUT_CUDA();
-  const LlamaConfig cfg = small_config();
-  LlamaForCausalLM on_cpu(cfg), on_gpu(cfg);
-  on_cpu.init_weights(5);
-  on_gpu.init_weights(5);
-  on_gpu.to(DType::bf16);
-  on_gpu.to(kGpu);
-  const Tensor tokens = randint(0, cfg.vocab_size, {2, 128}, RngKey(9, "tokens"));
+  Twins m = twins(5, DType::bf16);
+  LlamaForCausalLM &on_cpu = *m.cpu, &on_gpu = *m.gpu;
+  const Tensor tokens = randint(0, small_config().vocab_size, {2, 128}, RngKey(9, "tokens"));
   const Tensor want = on_cpu.forward(tokens);
   const Tensor got = cast(on_gpu.forward(gpu(tokens)), DType::f32).to(Device::cpu());
   REQUIRE(got.shape() == want.shape());
@@ -108,19 +122,11 @@ TEST_CASE("cuda: a dense Llama's bf16 forward on the GPU follows the f32 CPU mod
 
 TEST_CASE("cuda: gradient norm and clipping of a Llama's gradients on the GPU equal the CPU's") {
   SKIP_WITHOUT_CUDA();
-  const LlamaConfig cfg = small_config();
-  LlamaForCausalLM on_cpu(cfg), on_gpu(cfg);
-  on_cpu.init_weights(3);
-  on_gpu.init_weights(3);
-  on_gpu.to(kGpu);
-  const Tensor tokens = randint(0, cfg.vocab_size, {2, 65}, RngKey(4, "tokens"));
-  auto backward = [](LlamaForCausalLM& m, const Tensor& tok) {
-    const int64_t t = tok.size(1) - 1;
-    const Tensor logits = m(contiguous(narrow(tok, 1, 0, t)), arange(0, double(t), 1, {.dtype = DType::i64, .device = tok.device()}));
-    cross_entropy(reshape(logits, {-1, logits.size(-1)}), reshape(contiguous(narrow(tok, 1, 1, t)), {-1})).backward();
-  };
-  backward(on_cpu, tokens);
-  backward(on_gpu, gpu(tokens));
+  Twins m = twins(3);
+  LlamaForCausalLM &on_cpu = *m.cpu, &on_gpu = *m.gpu;
+  const Tensor tokens = randint(0, small_config().vocab_size, {2, 65}, RngKey(4, "tokens"));
+  next_token_loss(on_cpu, tokens).backward();
+  next_token_loss(on_gpu, gpu(tokens)).backward();
   const double want = dtensor::grad_norm(on_cpu.parameters()).item<double>();
   const double got = dtensor::grad_norm(on_gpu.parameters()).item<double>();
   CHECK(std::fabs(got - want) <= 1e-4 * want);
