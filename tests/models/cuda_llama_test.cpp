@@ -69,7 +69,7 @@ TEST_CASE("cuda: a dense Llama trains on the GPU and follows the CPU's losses, s
   const LlamaConfig cfg = small_config();
   Twins m = twins(11);
   LlamaForCausalLM &on_cpu = *m.cpu, &on_gpu = *m.gpu;
-  for (const auto& [name, p] : on_gpu.named_parameters()) CHECK_MESSAGE(p.device() == kGpu, name);
+  for (const auto& named : on_gpu.named_parameters()) CHECK_MESSAGE(named.second.device() == kGpu, named.first);
   const AdamWOptions o{.lr = 3e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
   AdamW opt_cpu(on_cpu.parameters(), o), opt_gpu(on_gpu.parameters(), o);
   for (int step = 0; step < 4; ++step) {
