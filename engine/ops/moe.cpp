@@ -94,6 +94,26 @@ std::vector<int64_t> invert_order(const char* op, const Tensor& order64) {
 Tensor run_grouped_mm(const Tensor& x, const Tensor& w, const Tensor& offsets);
 Tensor run_weight_grad(const Tensor& x, const Tensor& dy, const Tensor& offsets);
 
+// grouped_mm's offsets where its kernel reads them: on the host, checked, for the CPU kernel; on
+// the device, as i64, for the CUDA kernel (no sync, so only an empty offsets is refused there).
+struct GroupOffsets {
+  Tensor device;
+  std::vector<int64_t> host;
+  const int64_t* data() const { return device.defined() ? device.data<int64_t>() : host.data(); }
+};
+GroupOffsets group_offsets(const char* op, bool cuda, const Tensor& offsets, const Tensor& x) {
+  GroupOffsets g;
+  if (cuda) {
+    QUILT_CHECK(offsets.numel() > 0 || x.size(0) == 0, "[", op, "] offsets is empty (no groups) but x ", x.shape(),
+                " has ", x.size(0), " rows");
+    g.device = i64_contiguous(offsets);
+  } else {
+    g.host = host_i64(offsets);
+    check_offsets(op, g.host, x);
+  }
+  return g;
+}
+
 // out (M, N) = x (M, K) @ w[group] (E, K, N), groups given by offsets (E).
 class GroupedMm final : public Primitive {
  public:
@@ -101,13 +121,7 @@ class GroupedMm final : public Primitive {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     Tensor x = in[0], w = in[1];
     const bool cuda = on_cuda(name(), in);
-    // CUDA: the offsets stay on the device and the kernel reads them there (no sync, unchecked).
-    const Tensor off_dev = cuda ? i64_contiguous(in[2]) : Tensor();
-    const std::vector<int64_t> off = cuda ? std::vector<int64_t>() : host_i64(in[2]);
-    if (cuda)
-      QUILT_CHECK(in[2].numel() > 0 || x.size(0) == 0, "[", name(), "] offsets is empty (no groups) but x ",
-                  x.shape(), " has ", x.size(0), " rows");
-    else check_offsets(name(), off, x);
+    const GroupOffsets off = group_offsets(name(), cuda, in[2], x);
     const int64_t m = x.size(0), k = x.size(1), n = w.size(2);
     if (k == 0) return {zeros({m, n}, {.dtype = x.dtype(), .device = x.device()})};  // empty sums
     Tensor out = Tensor::empty({m, n}, {.dtype = x.dtype(), .device = x.device()});
@@ -115,7 +129,7 @@ class GroupedMm final : public Primitive {
     const Operand ox = gemm_operand(x), ow = gemm_operand(w);
     kernels::GroupedGemmArgs g;
     g.groups = in[2].numel();
-    g.offsets = cuda ? off_dev.data<int64_t>() : off.data();
+    g.offsets = off.data();
     g.m = m; g.n = n; g.k = k;
     g.x = x.data_ptr(); g.trans_x = ox.trans; g.ldx = ox.ld;
     g.w = w.data_ptr(); g.trans_w = ow.trans; g.ldw = ow.ld; g.w_group_stride = w.stride(0);
@@ -157,12 +171,7 @@ class GroupedMmWeightGrad final : public Primitive {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     Tensor x = in[0], dy = in[1];
     const bool cuda = on_cuda(name(), in);
-    const Tensor off_dev = cuda ? i64_contiguous(in[2]) : Tensor();  // read on the device, unchecked
-    const std::vector<int64_t> off = cuda ? std::vector<int64_t>() : host_i64(in[2]);
-    if (cuda)
-      QUILT_CHECK(in[2].numel() > 0 || x.size(0) == 0, "[", name(), "] offsets is empty (no groups) but x ",
-                  x.shape(), " has ", x.size(0), " rows");
-    else check_offsets(name(), off, x);
+    const GroupOffsets off = group_offsets(name(), cuda, in[2], x);
     const int64_t e = in[2].numel(), m = x.size(0), k = x.size(1), n = dy.size(1);
     if (m == 0) return {zeros({e, k, n}, {.dtype = x.dtype(), .device = x.device()})};  // every group empty
     Tensor dw = Tensor::empty({e, k, n}, {.dtype = x.dtype(), .device = x.device()});
@@ -170,7 +179,7 @@ class GroupedMmWeightGrad final : public Primitive {
     const Operand ox = gemm_operand(x), ody = gemm_operand(dy);
     kernels::GroupedGemmWeightGradArgs g;
     g.groups = e;
-    g.offsets = cuda ? off_dev.data<int64_t>() : off.data();
+    g.offsets = off.data();
     g.m = m; g.n = n; g.k = k;
     g.x = x.data_ptr(); g.trans_x = ox.trans; g.ldx = ox.ld;
     g.dy = dy.data_ptr(); g.trans_dy = ody.trans; g.lddy = ody.ld;
