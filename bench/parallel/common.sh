@@ -6,9 +6,11 @@ steps=${2:-${default_steps:-30}}
 warm=5
 quilt=$build/bin/quilt
 data=$build/data/fortunes
-[ -f "$data/train_000000.bin" ] || "$quilt" data prepare --input /usr/share/games/fortunes --output "$data" > /dev/null
+# QUILT_CORPUS: a directory of text files to use where Debian's fortunes are not installed.
+[ -f "$data/train_000000.bin" ] ||
+  "$quilt" data prepare --input "${QUILT_CORPUS:-/usr/share/games/fortunes}" --output "$data" > /dev/null
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-mpi=(mpiexec --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 --mca mpi_yield_when_idle 1)
+mpi=("${QUILT_MPIEXEC:-mpiexec}" --oversubscribe --bind-to none --mca btl vader,self --mca pml ob1 --mca mpi_yield_when_idle 1)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # The 12M-parameter Llama of the layout benches: hidden 512, 4 layers, intermediate 1376, 8 heads

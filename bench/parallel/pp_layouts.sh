@@ -4,7 +4,8 @@
 #     rank) against fsdp2 on the same number of ranks, median over the steps after warm-up;
 #  2. the idle share of every schedule at pp 2 and pp 4 (8 micro-batches of one sequence,
 #     6 layers): measured from the trace of step 3 (1 - time in F/B/I/W / (ranks x step)), next
-#     to the schedule's modelled share (F 1, B 2, I 1, W 1) from the same log.
+#     to the schedule's modelled share (F 1, B 2, I 1, W 1) from the same log (skipped with
+#     PP_LAYOUTS_BUBBLE=0; pp_bubble.sh repeats it for medians).
 # Usage: bench/parallel/pp_layouts.sh BUILD [STEPS]
 default_steps=12
 source "$(dirname "$0")/common.sh"
@@ -32,6 +33,7 @@ pair demo 2
 pair demo 4
 pair 12M 2 "${m12[@]}"
 pair 12M 4 "${m12[@]}"
+[ "${PP_LAYOUTS_BUBBLE:-1}" = 1 ] || exit 0
 echo
 printf '%-20s %4s %14s %14s\n' "schedule" "pp" "measured idle" "modelled idle"
 for pp in 2 4; do
