@@ -68,6 +68,11 @@ quilt_trainer_test("packed rows under cp 4 (ring) follow the packed one-rank cur
 quilt_trainer_test("packing: packed rows train with finite losses, fsdp 2 follows one rank, resume inside a document is bit for bit"
   packing)
 quilt_trainer_test("the same layout twice gives bit-identical losses" determinism)
+# train.device cuda: reported skipped (exit 77) where no GPU is usable, after checking that the
+# run is refused naming the key.
+quilt_trainer_test("cuda: one GPU follows the host's loss curve, f32 and bf16, and resumes its checkpoint" cuda)
+set_tests_properties("trainer: cuda: one GPU follows the host's loss curve, f32 and bf16, and resumes its checkpoint"
+  PROPERTIES SKIP_RETURN_CODE 77)
 quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
 quilt_trainer_test("a non-finite loss or gradient skips the step on every rank" nonfinite)
 quilt_trainer_test("train.max_skipped_steps non-finite steps in a row stop the run; keep_last keeps the last good checkpoint"

@@ -49,7 +49,7 @@ double metadata_double(const std::string& dir, const std::string& key, const std
 bool parameters_finite(Run& r) {
   bool finite = true;
   for (const Tensor& p : r.params) {
-    const Tensor x = p.local().to(DType::f64).contiguous();
+    const Tensor x = p.local().to(Device::cpu()).to(DType::f64).contiguous();
     const double* v = x.data<double>();
     for (int64_t i = 0; i < x.numel() && finite; ++i) finite = std::isfinite(v[i]);
     if (!finite) break;
@@ -95,6 +95,9 @@ void prune(const std::string& root, int64_t keep) {
 
 }  // namespace
 
+// A state on the GPU (train.device cuda) is written from, and read into, host copies.
+Tensor on_host(const Tensor& t) { return t.device().is_cpu() ? t : t.to(Device::cpu()); }
+
 void save_checkpoint(Run& r, const std::string& root) {
   const std::string dir = (fs::path(root) / step_dir_name(r.step_count)).string();
   agree(*r.world, "checkpoint save", [&] {
@@ -102,9 +105,9 @@ void save_checkpoint(Run& r, const std::string& root) {
   });
   dtensor::StateDict state;
   for (const auto& m : r.stages)  // pipeline stages: each rank its own layers, names global
-    for (auto& [name, t] : m->state_dict()) state.emplace_back("model." + name, t);
+    for (auto& [name, t] : m->state_dict()) state.emplace_back("model." + name, on_host(t));
   OptimizerState os = r.opt->state_dict();
-  for (auto& [name, t] : os.tensors) state.emplace_back("optim." + name, t);
+  for (auto& [name, t] : os.tensors) state.emplace_back("optim." + name, on_host(t));
   std::map<std::string, std::string> meta;
   for (auto& [name, v] : os.scalars) {
     char buf[64];
@@ -164,7 +167,14 @@ void load_checkpoint(Run& r, const std::string& dir) {
       targets.emplace_back(ti.name, t);
       os.tensors.insert(key, t);
     }
+    std::vector<std::pair<Tensor, Tensor>> to_device;  // (device tensor, its host copy)
+    for (auto& [name, t] : targets)
+      if (!t.device().is_cpu()) {
+        to_device.emplace_back(t, on_host(t));
+        t = to_device.back().second;
+      }
     dtensor::load_checkpoint(dir, targets);
+    for (auto& [device_tensor, host] : to_device) device_tensor.copy_(host);
     for (auto& [k, v] : info.metadata) {
       if (k.rfind("optim.", 0) != 0) continue;
       const std::string key = k.substr(6), param = param_of(key);

@@ -29,6 +29,7 @@ namespace quilt {
 const char* data_format_name(DataFormat f) { return f == DataFormat::kLlmc ? "llmc" : "nanogpt"; }
 
 const char* decay_name(Decay d) { return d == Decay::kCosine ? "cosine" : "linear"; }
+const char* train_device_name(TrainDevice d) { return d == TrainDevice::kCpu ? "cpu" : "cuda"; }
 
 const char* backend_name(Backend b) {
   static const char* const kNames[] = {"mpi", "nccl", "threads"};
@@ -650,6 +651,8 @@ const Table<TrainConfig>& train_table() {
       field("eval_steps", &T::eval_steps, Int{1}, "global batches per evaluation"),
       field("max_skipped_steps", &T::max_skipped_steps, Int{0},
             "consecutive skipped (non-finite) steps that stop the run; 0: never stop"),
+      field("device", &T::device, Enum<TrainDevice>{{TrainDevice::kCpu, TrainDevice::kCuda}, train_device_name},
+            "where the model, gradients, optimizer state and batches live: cpu, or cuda (one GPU, one rank)"),
   }, [](const TrainConfig& t) {
     QUILT_CHECK(t.beta1 < 1, "[config] train.beta1 must be < 1, got ", format_double(t.beta1));
     QUILT_CHECK(t.beta2 < 1, "[config] train.beta2 must be < 1, got ", format_double(t.beta2));
@@ -999,9 +1002,9 @@ LaunchOptions trainer_launch_options(const DistEnvConfig& env) {
   switch (env.backend) {
     case Backend::kMpi: return {.backend = WorldBackend::mpi};
     case Backend::kNccl:
-      fail("[config] dist_env.backend nccl: the trainer keeps the model and batches in host memory, so its "
-           "collectives run on MPI; the engine's ops and the NCCL communicator run on GPUs through the library "
-           "API, but quilt train does not place a run on them yet. Use dist_env.backend: mpi");
+      fail("[config] dist_env.backend nccl: quilt train does not yet run a rank per GPU over NCCL (the engine's "
+           "ops and the NCCL communicator run on GPUs through the library API, and train.device: cuda trains "
+           "on one GPU in one process). Use dist_env.backend: mpi");
     case Backend::kThreads:
       fail("[config] dist_env.backend threads runs ranks as threads of one process (the test suites' backend); "
            "quilt train runs one process per rank under mpirun or srun. Use dist_env.backend: mpi");
@@ -1013,6 +1016,10 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
   (void)trainer_launch_options(cfg.dist_env);
   ParallelDims dims(cfg.distributed, world_size);
   const TrainConfig& t = cfg.train;
+  // One GPU: the model, its gradients and AdamW's state on the device, collectives on none.
+  QUILT_CHECK(t.device == TrainDevice::kCpu || world_size == 1, "[config] train.device cuda trains on one GPU in one "
+              "process; this run has ", world_size, " ranks (a rank per GPU needs dist_env.backend nccl, which quilt "
+              "train does not run yet): launch one process, or use train.device: cpu");
   const ModelConfig& m = cfg.model;
   QUILT_CHECK(!cfg.logging.trace || cfg.logging.dir, "[config] logging.trace needs logging.dir (where the trace goes)");
   QUILT_CHECK(!cfg.logging.tensorboard || cfg.logging.dir,

@@ -111,6 +111,11 @@ enum class Decay { kCosine, kLinear };
 /// "cosine" or "linear".
 const char* decay_name(Decay d);
 
+/// Where a run's model, gradients, optimizer state and batches live.
+enum class TrainDevice { kCpu, kCuda };
+/// "cpu" or "cuda".
+const char* train_device_name(TrainDevice d);
+
 /// train: the optimisation loop (AdamW with warm-up and decay).
 struct TrainConfig {
   int64_t steps = 100;
@@ -134,6 +139,7 @@ struct TrainConfig {
   int64_t eval_every = 0;                // 0: never
   int64_t eval_steps = 10;               // global batches per evaluation
   int64_t max_skipped_steps = 5;         // consecutive non-finite steps that stop the run; 0: never
+  TrainDevice device = TrainDevice::kCpu;  // cuda: one GPU, one rank (the first device)
 
   /// Gradient-accumulation micro-steps per optimizer step for `dp` data-parallel ranks.
   int64_t accumulation_steps(int64_t dp) const { return global_batch_size / (micro_batch_size * dp); }

@@ -31,10 +31,13 @@ std::string short_duration(double seconds) {
   return buf;
 }
 
-double peak_tflops_per_rank() {
-  double peak = 0.25;
-  if (const char* s = std::getenv("QUILT_PEAK_TFLOPS")) peak = std::atof(s);
-  return peak / double(std::max(1, launch_info().local_size));
+double peak_tflops_per_rank(Device device) {
+  if (const char* s = std::getenv("QUILT_PEAK_TFLOPS")) {
+    const double peak = std::atof(s);
+    return device.is_cpu() ? peak / double(std::max(1, launch_info().local_size)) : peak;
+  }
+  // A GPU: a Hopper's dense bf16 rate (H100/H200 SXM); a host's cores: shared by its ranks.
+  return device.is_cpu() ? 0.25 / double(std::max(1, launch_info().local_size)) : 989.0;
 }
 
 std::string step_line(const StepMetrics& m) {

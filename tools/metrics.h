@@ -14,9 +14,10 @@
 
 namespace quilt {
 
-/// Peak f32 throughput per rank for MFU: the measured BLAS ceiling of this kind of machine
-/// (docs/PERF.md) shared by the ranks of one host; QUILT_PEAK_TFLOPS overrides it.
-double peak_tflops_per_rank();
+/// Peak throughput per rank for MFU. On the host: the measured f32 BLAS ceiling of this kind of
+/// machine (docs/PERF.md) shared by the ranks of one host; on a GPU (train.device cuda): a
+/// Hopper's dense bf16 rate, 989 TFLOP/s. QUILT_PEAK_TFLOPS overrides either.
+double peak_tflops_per_rank(Device device = Device::cpu());
 
 /// "step: 10  loss: 2.3412  grad_norm: 0.5123  memory: 0.01GiB  tps: 12,345  tflops: 0.012  mfu: 4.80%
 /// elapsed: 1m05s  eta: 20m40s".

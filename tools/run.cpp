@@ -122,7 +122,16 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   // it is built without storage and each rank materialises only its own shards, initialised
   // after sharding; under DDP it is initialised whole, then replicated.
   const TrainConfig& t = cfg.train;
-  const bool deferred = cfg.distributed.strategy != Strategy::kDdp;
+  // train.device cuda (one rank, so no data parallelism): the model is built and initialised
+  // whole on the host, takes its pretrained weights there, moves to the GPU, and then gets the
+  // plan's single-device parts (activation checkpointing, mixed precision) as under ddp.
+  const bool on_gpu = t.device == TrainDevice::kCuda;
+  if (on_gpu)
+    QUILT_CHECK(cuda::is_available(), "[config] train.device cuda: no usable GPU (", cuda::unavailable_reason(), ")");
+  if (on_gpu) r->device = Device::cuda(0);
+  const bool deferred = !on_gpu && cfg.distributed.strategy != Strategy::kDdp;
+  DistributedConfig plan = cfg.distributed;
+  if (on_gpu) plan.strategy = Strategy::kDdp;
   const int64_t before = cpu_memory_stats().allocated;
   reset_cpu_peak_memory();
   // Without a pipeline this rank holds the whole model (one "stage"); with one, the stages the
@@ -178,7 +187,11 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
           lcfg, LlamaStage{.first_layer = sp.first_layer, .end_layer = sp.end_layer, .embed = sp.embed, .head = sp.head});
     }
     if (!deferred) m->init_weights(uint64_t(t.seed));
-    DataParallelism dp = parallelize_llama(*m, r->meshes, cfg.distributed, popts);
+    if (on_gpu) {
+      if (!weights.empty()) load_hf_weights(*m, weights);
+      m->to(r->device);
+    }
+    DataParallelism dp = parallelize_llama(*m, r->meshes, plan, popts);
     if (deferred) m->init_weights(uint64_t(t.seed));
     // Under tp the residual stream between blocks (so between stages) is each rank's plain
     // shard (the tp plan lays it out at every block's input), so it travels as it is.
@@ -207,7 +220,8 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   }
   // Pretrained weights go straight into whatever layout the plan made (each rank reads its shards).
   if (!weights.empty()) {
-    for (const auto& m : r->stages) load_hf_weights(*m, weights);
+    if (!on_gpu)
+      for (const auto& m : r->stages) load_hf_weights(*m, weights);
     log_line("model: weights from ", weights);
   }
   for (const auto& m : r->stages)
@@ -253,7 +267,7 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   LlamaForCausalLM* m = r->model.get();
   r->step = std::make_unique<LocalTrainStep>(
       [m](const Tensor& tokens, const Tensor& positions, const Tensor& docs) { return (*m)(tokens, positions, docs); },
-      StepHooks{.dp = r->dp, .defer_fsdp_grad_sync = cfg.distributed.defer_fsdp_grad_sync, .loss_comm = loss_comm,
+      StepHooks{.device = r->device, .dp = r->dp, .defer_fsdp_grad_sync = cfg.distributed.defer_fsdp_grad_sync, .loss_comm = loss_comm,
                 .cp_comm = r->dims.cp() > 1 ? r->meshes["cp"].comm_ptr(0) : nullptr});
   return r;
 }

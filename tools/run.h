@@ -39,6 +39,7 @@ struct Run {
   std::unique_ptr<DataLoader> loader, val_loader;
   int64_t step_count = 0;  // optimizer steps completed
   int64_t skipped_in_a_row = 0;  // consecutive steps skipped for a non-finite loss or norm
+  Device device = Device::cpu();  // where the model, its optimizer state and the batches live
 
   Run(const RecipeConfig& c, int64_t world_size);
 };

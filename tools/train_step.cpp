@@ -40,7 +40,16 @@ Batch context_parallel_batch(const Batch& b, int cp, int rank) {
   return {shard(b.inputs), shard(b.targets), shard(positions), shard(b.document_ids)};
 }
 
-Tensor LocalTrainStep::loss_of(const Batch& b) {
+// The batch on `device`, its positions made explicit (the default ones are built on the host).
+Batch batch_on(const Batch& b, Device device) {
+  if (device.is_cpu()) return b;
+  auto move = [&](const Tensor& t) { return t.defined() ? t.to(device) : Tensor(); };
+  return {move(b.inputs), move(b.targets), move(b.positions.defined() ? b.positions : default_positions(b.inputs)),
+          move(b.document_ids)};
+}
+
+Tensor LocalTrainStep::loss_of(const Batch& host_batch) {
+  const Batch b = batch_on(host_batch, hooks_.device);
   const std::shared_ptr<Communicator>& cp = hooks_.cp_comm;
   if (!cp || cp->size() == 1) {
     const Tensor positions = b.positions.defined() ? b.positions : default_positions(b.inputs);

@@ -47,6 +47,7 @@ class TrainStep {
 
 /// What parallelize_* left on a model that a step must drive.
 struct StepHooks {
+  Device device = Device::cpu();            // the model's: batches are moved there
   DataParallelism dp;                       // FSDP or DDP, if the plan applied one
   bool defer_fsdp_grad_sync = true;         // FSDP: reduce once, at the last micro-batch
   std::shared_ptr<Communicator> loss_comm;  // ranks whose losses are averaged (dp x cp); null: none

@@ -71,7 +71,9 @@ double validation_loss(Run& r) {
 // rank holds the same averaged loss and gradient norm).
 StepMetrics train_step(Run& r) {
   const auto t0 = std::chrono::steady_clock::now();
+  const bool on_gpu = !r.device.is_cpu();
   reset_cpu_peak_memory();
+  if (on_gpu) cuda::reset_peak_memory(r.device.index);
   StepMetrics m;
   m.lr = r.sched->lr_at(r.opt->step_count());
   r.opt->set_lr(m.lr);
@@ -127,8 +129,9 @@ StepMetrics train_step(Run& r) {
   const double tokens = double(r.cfg.train.global_batch_size * r.cfg.train.seq_len);
   m.tps = tokens / secs;
   m.tflops = r.flops_per_token * tokens / double(r.world->size()) / secs / 1e12;
-  m.mfu = m.tflops / peak_tflops_per_rank();
-  m.memory_gib = double(cpu_memory_stats().peak_allocated) / double(int64_t(1) << 30);
+  m.mfu = m.tflops / peak_tflops_per_rank(r.device);
+  const MemoryStats mem = on_gpu ? cuda::memory_stats(r.device.index) : cpu_memory_stats();
+  m.memory_gib = double(mem.peak_allocated) / double(int64_t(1) << 30);
   return m;
 }
 

@@ -196,14 +196,26 @@ TEST_CASE("config: quilt train starts an MPI world and refuses the backends it c
   CHECK(trainer_launch_options(parse(kMinimal).dist_env).backend == WorldBackend::mpi);
   const RecipeConfig nccl = parse(kMinimal + "dist_env: {backend: nccl}\n");
   CHECK_THROWS_WITH_AS(trainer_launch_options(nccl.dist_env),
-                       doctest::Contains("[config] dist_env.backend nccl: the trainer keeps the model and batches in "
-                                         "host memory"),
+                       doctest::Contains("[config] dist_env.backend nccl: quilt train does not yet run a rank per GPU "
+                                         "over NCCL"),
                        Error);
   CHECK_THROWS_WITH_AS(check_recipe(nccl, 1), doctest::Contains("Use dist_env.backend: mpi"), Error);
   const RecipeConfig threads = parse(kMinimal + "dist_env: {backend: threads}\n");
   CHECK_THROWS_WITH_AS(check_recipe(threads, 1),
                        doctest::Contains("[config] dist_env.backend threads runs ranks as threads of one process"),
                        Error);
+}
+
+TEST_CASE("config: train.device cuda is one GPU in one process; more ranks are refused, naming the key") {
+  const RecipeConfig c = parse(kMinimal + "train: {device: cuda}\n");
+  CHECK(c.train.device == TrainDevice::kCuda);
+  CHECK(parse(kMinimal).train.device == TrainDevice::kCpu);
+  CHECK(check_recipe(c, 1).dp() == 1);
+  CHECK_THROWS_WITH_AS(check_recipe(c, 2),
+                       doctest::Contains("[config] train.device cuda trains on one GPU in one process; this run has 2 "
+                                         "ranks"),
+                       Error);
+  CHECK_THROWS_WITH_AS(parse(kMinimal + "train: {device: gpu}\n"), doctest::Contains("train.device"), Error);
 }
 
 TEST_CASE("config: rules that need the world size name the keys and every factor") {

@@ -2,7 +2,7 @@
 # $work set, prepares a small corpus (a few fortune files) in $work/data and sets `common`, the
 # arguments of a tiny model that keep each run to seconds.
 mkdir -p "$work/text"
-for f in art computers science; do cp "/usr/share/games/fortunes/$f" "$work/text/"; done
+for f in art computers science; do cp "${QUILT_CORPUS:-/usr/share/games/fortunes}/$f" "$work/text/"; done
 "$quilt" data prepare --input "$work"/text/* --output "$work/data" > /dev/null
 common=(--config "$(dirname "${BASH_SOURCE[0]}")/../../recipes/llama_tiny.yaml"
   --set "data.path=$work/data/train_*.bin" --set "data.val_path=none" --set train.eval_every=0

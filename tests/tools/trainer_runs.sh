@@ -61,6 +61,31 @@ case "$mode" in
     run b 2 --set train.steps=6 --set distributed.strategy=ddp
     "$compare" "$work/a/metrics.jsonl" "$work/b/metrics.jsonl" 0
     ;;
+  cuda)
+    # train.device cuda: one GPU against the same run on the host, f32 and bf16 weights, and a
+    # checkpoint saved from the GPU that a GPU run resumes. Without a usable GPU the run must
+    # stop at once naming the key; the test then reports itself skipped (exit 77).
+    if ! "${mpi[@]}" -n 1 "$quilt" train "${common[@]}" --set train.device=cuda --set train.steps=1 --set "logging.dir=$work/probe" \
+        > "$work/probe.log" 2>&1; then
+      grep -q "train.device cuda: no usable GPU" "$work/probe.log" || { cat "$work/probe.log"; exit 1; }
+      echo "skipped: $(grep -o 'train.device cuda: no usable GPU.*' "$work/probe.log" | head -n 1)"
+      exit 77
+    fi
+    run host 1 --set train.steps=8
+    run gpu 1 --set train.steps=8 --set train.device=cuda
+    grep -q "memory: " "$work/gpu.log" || { cat "$work/gpu.log"; exit 1; }
+    # f32 on both sides; the reduction order differs between the devices (8 Adam steps).
+    "$compare" "$work/host/metrics.jsonl" "$work/gpu/metrics.jsonl" 1e-3
+    run host_bf16 1 --set train.steps=8 --set train.param_dtype=bfloat16
+    run gpu_bf16 1 --set train.steps=8 --set train.param_dtype=bfloat16 --set train.device=cuda
+    "$compare" "$work/host_bf16/metrics.jsonl" "$work/gpu_bf16/metrics.jsonl" 2e-2
+    run first 1 --set train.steps=8 --stop-after 4 --set train.device=cuda --set "checkpoint.dir=$work/ckpt"
+    test -d "$work/ckpt/step_00000004" || { echo "no checkpoint at step 4"; ls -la "$work/ckpt"; exit 1; }
+    run second 1 --set train.steps=8 --set train.device=cuda --set "checkpoint.dir=$work/ckpt" --set checkpoint.resume=auto
+    grep -q "resumed from" "$work/second.log" || { cat "$work/second.log"; echo "did not resume"; exit 1; }
+    # The resumed GPU run continues the straight one (same kernels, same order).
+    "$compare" "$work/gpu/metrics.jsonl" "$work/second/metrics.jsonl" 1e-6 5
+    ;;
   resume)
     run straight 2 --set train.steps=10 --set distributed.strategy=ddp
     run first 2 --set train.steps=10 --stop-after 5 --set distributed.strategy=ddp --set "checkpoint.dir=$work/ckpt"
