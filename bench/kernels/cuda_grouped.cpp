@@ -1,6 +1,9 @@
 // MoE kernel benchmarks at Qwen3-30B-A3B shapes (E = 128 experts, hidden K = 2048, expert
 // width N = 768 or 1536 (gate+up), 128 * 1024 routed rows), bf16:
-//   grouped_quilt_*   kernels::cuda::grouped_gemm (offsets read on the device)
+//   grouped_mm_*      kernels::cuda::grouped_gemm (offsets read on the device), the default WMMA
+//                     kernel; the same name ending in /mma: the opt-in mma.sync kernel
+//   grouped_dgrad_*   the same kernels for dx = dy @ w_e^T (N -> K = 2048, w read transposed)
+//   grouped_wgrad_*   kernels::cuda::grouped_gemm_weight_grad, dw_e = x_e^T @ dy_e (K-grouped)
 //   grouped_loop_*    one cublasGemmEx per expert, host-known counts, same stream
 //   grouped_cublas_*  cublasGemmGroupedBatchedEx (one call, E groups of one GEMM each)
 //   dense_same_flops  one cuBLAS GEMM of all rows against one expert's matrix (kernels::cuda::gemm)
@@ -81,7 +84,24 @@ Problem make_problem(bool zipf, int64_t n) {
 
 double flops_of(int64_t n) { return 2.0 * double(kRows) * double(kHidden) * double(n); }
 
-void bm_quilt(benchmark::State& state, bool zipf, int64_t n) {
+// Runs with one grouped GEMM kernel selected, then restores the previous selection.
+class UseKernel {
+ public:
+  explicit UseKernel(kernels::cuda::GroupedGemmKernel k) : saved_(kernels::cuda::grouped_gemm_kernel()) {
+    kernels::cuda::set_grouped_gemm_kernel(k);
+  }
+  ~UseKernel() { kernels::cuda::set_grouped_gemm_kernel(saved_); }
+  UseKernel(const UseKernel&) = delete;
+  UseKernel& operator=(const UseKernel&) = delete;
+
+ private:
+  kernels::cuda::GroupedGemmKernel saved_;
+};
+
+using kernels::cuda::GroupedGemmKernel;
+
+void bm_quilt(benchmark::State& state, bool zipf, int64_t n, GroupedGemmKernel kernel) {
+  const UseKernel use(kernel);
   Problem p = make_problem(zipf, n);
   kernels::GroupedGemmArgs g;
   g.groups = kExperts;
@@ -91,6 +111,38 @@ void bm_quilt(benchmark::State& state, bool zipf, int64_t n) {
   g.w = p.w.data_ptr(); g.ldw = n; g.w_group_stride = kHidden * n;
   g.out = p.out.data_ptr(); g.ldo = n;
   timed(state, 5, flops_of(n), true, kPeakBf16Tflops, [&] { kernels::cuda::grouped_gemm(DType::bf16, g, stream()); });
+}
+
+// dx (rows, K) = dy (rows, n) @ w_e^T: w (E, K, n) read as the transposed (n, K) operand.
+void bm_dgrad(benchmark::State& state, bool zipf, int64_t n, GroupedGemmKernel kernel) {
+  const UseKernel use(kernel);
+  Problem p = make_problem(zipf, n);
+  Tensor dy = dev_randn({kRows, n}, DType::bf16, "dy");
+  Tensor dx = empty({kRows, kHidden}, {.dtype = DType::bf16, .device = kGpu});
+  kernels::GroupedGemmArgs g;
+  g.groups = kExperts;
+  g.offsets = p.dev_offsets.data<int64_t>();
+  g.m = kRows; g.n = kHidden; g.k = n;
+  g.x = dy.data_ptr(); g.ldx = n;
+  g.w = p.w.data_ptr(); g.trans_w = true; g.ldw = n; g.w_group_stride = kHidden * n;
+  g.out = dx.data_ptr(); g.ldo = kHidden;
+  timed(state, 5, flops_of(n), true, kPeakBf16Tflops, [&] { kernels::cuda::grouped_gemm(DType::bf16, g, stream()); });
+}
+
+// dw (E, K, n): dw_e = x_e^T @ dy_e over expert e's rows.
+void bm_wgrad(benchmark::State& state, bool zipf, int64_t n, GroupedGemmKernel kernel) {
+  const UseKernel use(kernel);
+  Problem p = make_problem(zipf, n);
+  Tensor dy = dev_randn({kRows, n}, DType::bf16, "dy");
+  kernels::GroupedGemmWeightGradArgs g;
+  g.groups = kExperts;
+  g.offsets = p.dev_offsets.data<int64_t>();
+  g.m = kRows; g.n = n; g.k = kHidden;
+  g.x = p.x.data_ptr(); g.ldx = kHidden;
+  g.dy = dy.data_ptr(); g.lddy = n;
+  g.dw = p.w.data_ptr();  // (E, K, n), overwritten
+  timed(state, 5, flops_of(n), true, kPeakBf16Tflops,
+        [&] { kernels::cuda::grouped_gemm_weight_grad(DType::bf16, g, stream()); });
 }
 
 // Row-major out_e = x_e @ w_e as column-major out_e^T = w_e^T x_e^T (the operands swapped).
@@ -220,7 +272,18 @@ void register_grouped() {
     const std::string shape = shape_of({kRows, kHidden, n});
     for (bool zipf : {false, true}) {
       const std::string split = zipf ? "zipf" : "bal";
-      reg("grouped_mm_" + split + "/" + shape, [zipf, n](benchmark::State& s) { bm_quilt(s, zipf, n); });
+      for (GroupedGemmKernel kernel : {GroupedGemmKernel::wmma, GroupedGemmKernel::mma}) {
+        const std::string tag = kernel == GroupedGemmKernel::mma ? "/mma" : "";
+        reg("grouped_mm_" + split + "/" + shape + tag,
+            [zipf, n, kernel](benchmark::State& s) { bm_quilt(s, zipf, n, kernel); });
+        // The backward GEMMs at the wider expert only (the bench's time is limited).
+        if (n == 1536) {
+          reg("grouped_dgrad_" + split + "/" + shape + tag,
+              [zipf, n, kernel](benchmark::State& s) { bm_dgrad(s, zipf, n, kernel); });
+          reg("grouped_wgrad_" + split + "/" + shape + tag,
+              [zipf, n, kernel](benchmark::State& s) { bm_wgrad(s, zipf, n, kernel); });
+        }
+      }
       reg("grouped_loop_" + split + "/" + shape, [zipf, n](benchmark::State& s) { bm_loop(s, zipf, n); });
       reg("grouped_cublas_" + split + "/" + shape,
           [zipf, n](benchmark::State& s) { bm_cublas_grouped(s, zipf, n); });

@@ -18,7 +18,8 @@
 // Measured on one H200 (bench/kernels/cuda_grouped.cpp, E = 128, K = 2048, 131072 rows, bf16):
 // about 160 TFLOP/s for N = 768 and 1536, balanced or Zipf-split, against about 300-500 for a
 // per-expert cuBLAS loop and 620-660 for one dense GEMM of the same FLOPs. The next steps are
-// more pipeline stages (dynamic shared memory) and then wgmma (sm_90a) with TMA loads.
+// more pipeline stages (dynamic shared memory) and then wgmma (sm_90a) with TMA loads; the first
+// is grouped_gemm_mma.cu (mma.sync + ldmatrix, 4 stages), opt-in through set_grouped_gemm_kernel.
 #include <mma.h>
 
 #include <climits>
@@ -397,11 +398,13 @@ void wgrad_t(const GroupedGemmWeightGradArgs& g, cudaStream_t s) {
 
 void grouped_gemm(DType dt, const GroupedGemmArgs& g, void* stream) {
   if (g.m == 0 || g.n == 0 || g.groups == 0) return;
+  if (grouped_gemm_kernel() == GroupedGemmKernel::mma && grouped_gemm_mma(dt, g, stream)) return;
   QUILT_DISPATCH_FLOATING(dt, [&] { fwd_t<scalar_t>(g, as_stream(stream)); });
 }
 
 void grouped_gemm_weight_grad(DType dt, const GroupedGemmWeightGradArgs& g, void* stream) {
   if (g.k == 0 || g.n == 0 || g.groups == 0) return;
+  if (grouped_gemm_kernel() == GroupedGemmKernel::mma && grouped_gemm_weight_grad_mma(dt, g, stream)) return;
   QUILT_DISPATCH_FLOATING(dt, [&] { wgrad_t<scalar_t>(g, as_stream(stream)); });
 }
 

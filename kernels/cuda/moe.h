@@ -26,6 +26,25 @@ void grouped_gemm(DType dt, const GroupedGemmArgs& args, void* stream);
 /// The grouped weight gradient (see GroupedGemmWeightGradArgs; device offsets), zeros for empty groups.
 void grouped_gemm_weight_grad(DType dt, const GroupedGemmWeightGradArgs& args, void* stream);
 
+/// The bf16/f16 kernel family grouped_gemm and grouped_gemm_weight_grad run: `wmma`
+/// (grouped_gemm.cu, the default) or `mma` (grouped_gemm_mma.cu: mma.sync, ldmatrix, a 4-stage
+/// cp.async pipeline; opt-in until it has passed on a GPU). Shapes `mma` cannot take fall back to wmma.
+enum class GroupedGemmKernel { wmma, mma };
+
+/// The selected kernel: the last set_grouped_gemm_kernel, else QUILT_CUDA_GROUPED_GEMM ("wmma" or
+/// "mma", read once; another value throws), else wmma.
+GroupedGemmKernel grouped_gemm_kernel();
+
+/// Selects the kernel for every later call in this process (tests and benchmarks switch with it).
+void set_grouped_gemm_kernel(GroupedGemmKernel kernel);
+
+/// grouped_gemm on the mma kernel when it takes the arguments (bf16/f16, x row-major, K, N, leading
+/// dims and w's group stride multiples of 8, 16-byte aligned pointers): returns false, launching nothing, otherwise.
+bool grouped_gemm_mma(DType dt, const GroupedGemmArgs& args, void* stream);
+
+/// grouped_gemm_weight_grad on the mma kernel under the same conditions (x and dy row-major), else false.
+bool grouped_gemm_weight_grad_mma(DType dt, const GroupedGemmWeightGradArgs& args, void* stream);
+
 /// Routing of n = T*k slots, expert_idx (n) i64 on the device: counts (E) rows per expert,
 /// offsets (E) their cumulative sums, order (n) the slots stably sorted by expert. A slot whose
 /// expert is outside [0, E) is not counted and sorts last (the caller checks sum(counts) == n).

@@ -13,6 +13,16 @@ namespace {
 
 void grouped_gemm(DType, const GroupedGemmArgs&, void*) { missing("grouped_mm"); }
 void grouped_gemm_weight_grad(DType, const GroupedGemmWeightGradArgs&, void*) { missing("grouped_mm_weight_grad"); }
+// The selection is plain state (no kernel behind it), so tests can set it in any build.
+namespace {
+GroupedGemmKernel selected = GroupedGemmKernel::wmma;
+}  // namespace
+GroupedGemmKernel grouped_gemm_kernel() { return selected; }
+void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { selected = kernel; }
+bool grouped_gemm_mma(DType, const GroupedGemmArgs&, void*) { missing("grouped_mm"); }
+bool grouped_gemm_weight_grad_mma(DType, const GroupedGemmWeightGradArgs&, void*) {
+  missing("grouped_mm_weight_grad");
+}
 void moe_route(const int64_t*, int64_t, int64_t, int64_t*, int64_t*, int64_t*, void*) { missing("moe_route"); }
 void moe_invert_order(int64_t, const int64_t*, int64_t*, void*) { missing("moe_invert_order"); }
 void moe_permute(DType, int64_t, int64_t, int64_t, const int64_t*, const void*, int64_t, const void*, void*, void*) {

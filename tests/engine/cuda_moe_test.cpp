@@ -1,7 +1,8 @@
 // The MoE ops on CUDA against the CPU: grouped_mm forward and both gradients (f32, f64, bf16,
 // f16; empty experts, single-row experts, rows and columns that are not multiples of a tile,
 // unaligned K, transposed weight views), moe_route, moe_permute, moe_unpermute and its weight
-// gradient (moe_slot_dot), and the combine's bit-identical reruns.
+// gradient (moe_slot_dot), and the combine's bit-identical reruns. The "mma kernel" cases run
+// the same checks with the opt-in mma.sync grouped GEMM selected (kernels/cuda/grouped_gemm_mma.cu).
 // Without a usable device every case prints why and returns.
 #include <doctest/doctest.h>
 
@@ -11,6 +12,7 @@
 
 #include "engine/engine.h"
 #include "engine/ops/moe.h"
+#include "kernels/cuda/moe.h"
 #include "tests/engine/cuda_util.h"
 
 using namespace quilt;
@@ -56,6 +58,22 @@ void check_grouped(const std::string& what, const std::vector<int64_t>& counts, 
   // dw sums over a group's rows (up to 300 here): a looser absolute floor.
   check_close(got[2].to(Device::cpu()), want[2], rtol, atol * 4, what + ": dw");
 }
+
+// Selects a grouped GEMM kernel for one scope, then restores the previous one.
+class UseGroupedKernel {
+ public:
+  explicit UseGroupedKernel(kernels::cuda::GroupedGemmKernel k) : saved_(kernels::cuda::grouped_gemm_kernel()) {
+    kernels::cuda::set_grouped_gemm_kernel(k);
+  }
+  ~UseGroupedKernel() { kernels::cuda::set_grouped_gemm_kernel(saved_); }
+  UseGroupedKernel(const UseGroupedKernel&) = delete;
+  UseGroupedKernel& operator=(const UseGroupedKernel&) = delete;
+
+ private:
+  kernels::cuda::GroupedGemmKernel saved_;
+};
+
+constexpr auto kMma = kernels::cuda::GroupedGemmKernel::mma;
 
 }  // namespace
 
@@ -180,5 +198,99 @@ TEST_CASE("cuda: moe_unpermute gives bit-identical results on every run") {
       return wd.grad().to(Device::cpu());
     };
     check_equal(dw(), dw(), std::string("unpermute dweights rerun ") + dtype_name(dt));
+  }
+}
+
+// ---- the opt-in mma.sync kernel (forward, dgrad through w's transposed view, and the weight gradient) ----
+
+TEST_CASE("cuda: the mma grouped_mm kernel matches the CPU with balanced, skewed, empty, single and ragged experts") {
+  SKIP_WITHOUT_CUDA();
+  const UseGroupedKernel use(kMma);
+  struct Case {
+    const char* what;
+    std::vector<int64_t> counts;
+    int64_t k, n;
+  };
+  std::vector<int64_t> tiny(64);  // E = 64 experts of 0-3 rows
+  for (size_t e = 0; e < tiny.size(); ++e) tiny[e] = int64_t(e * 7 % 4);
+  const std::vector<Case> cases = {
+      {"balanced", {96, 96, 96, 96, 96, 96}, 256, 136},
+      {"skewed", {700, 90, 20, 5, 1, 0, 0, 300}, 72, 200},
+      {"ragged experts", {0, 1, 130, 0, 7, 300, 0, 65, 0, 129, 128, 127}, 72, 200},
+      {"one expert", {257}, 64, 136},
+      {"E = 64, tiny rows", tiny, 24, 40},
+      {"odd multiples of 8", {9, 33, 0, 17}, 40, 24},
+      {"one row", {0, 1, 0}, 8, 8},
+  };
+  for (const Case& c : cases)
+    for (DType dt : {DType::bf16, DType::f16})
+      for (bool tw : {false, true}) check_grouped(std::string("mma kernel: ") + c.what, c.counts, c.k, c.n, dt, tw);
+}
+
+TEST_CASE("cuda: the mma grouped_mm kernel matches the CPU at Qwen3-MoE widths and with many k steps") {
+  SKIP_WITHOUT_CUDA();
+  const UseGroupedKernel use(kMma);
+  // Up/gate (K = 2048 -> N = 768) and down (K = 768 -> N = 2048) shapes with a few hundred rows.
+  check_grouped("mma kernel: K 2048, N 768", {300, 0, 129, 77}, 2048, 768, DType::bf16, false);
+  check_grouped("mma kernel: K 2048, N 768", {300, 0, 129, 77}, 2048, 768, DType::bf16, true);
+  check_grouped("mma kernel: K 768, N 2048", {1, 200, 0, 64}, 768, 2048, DType::bf16, true);
+  check_grouped("mma kernel: deep K", {1000, 0, 24, 513}, 512, 384, DType::bf16, false);
+  check_grouped("mma kernel: deep K", {1000, 0, 24, 513}, 512, 384, DType::f16, true);
+}
+
+TEST_CASE("cuda: with the mma kernel selected, shapes it does not take fall back and still match the CPU") {
+  SKIP_WITHOUT_CUDA();
+  const UseGroupedKernel use(kMma);
+  // K = 45, N = 37: not multiples of 8 (the WMMA kernel runs); f32 has no mma path.
+  check_grouped("mma selected, unaligned K, N", {3, 0, 129, 1}, 45, 37, DType::bf16, false);
+  check_grouped("mma selected, f32", {3, 0, 129, 1}, 72, 200, DType::f32, true);
+}
+
+TEST_CASE("cuda: grouped_gemm_mma takes aligned bf16 and f16 problems and declines the rest") {
+  SKIP_WITHOUT_CUDA();
+  const std::vector<int64_t> counts = {5, 0, 130};
+  const int64_t m = total(counts), e = int64_t(counts.size());
+  const Tensor off = offsets_of(counts);
+  struct Case {
+    int64_t k, n;
+    DType dt;
+    bool takes;
+  };
+  for (const Case c : {Case{64, 136, DType::bf16, true}, Case{64, 136, DType::f16, true},
+                       Case{45, 136, DType::bf16, false}, Case{64, 37, DType::bf16, false},
+                       Case{64, 136, DType::f32, false}}) {
+    INFO("k = " << c.k << ", n = " << c.n << ", " << dtype_name(c.dt));
+    const Tensor x = randn({m, c.k}, RngKey(12, "x"), {.dtype = c.dt});
+    const Tensor w = randn({e, c.k, c.n}, RngKey(12, "w"), {.dtype = c.dt});
+    const Tensor dy = randn({m, c.n}, RngKey(12, "dy"), {.dtype = c.dt});
+    const Tensor xd = gpu(x), wd = gpu(w), dyd = gpu(dy), offd = gpu(off);
+    void* stream = current_stream(kGpu).handle;
+
+    Tensor out = gpu(zeros({m, c.n}, {.dtype = c.dt}));
+    kernels::GroupedGemmArgs g;
+    g.groups = e;
+    g.offsets = offd.data<int64_t>();
+    g.m = m; g.n = c.n; g.k = c.k;
+    g.x = xd.data_ptr(); g.ldx = c.k;
+    g.w = wd.data_ptr(); g.ldw = c.n; g.w_group_stride = c.k * c.n;
+    g.out = out.data_ptr(); g.ldo = c.n;
+    CHECK(kernels::cuda::grouped_gemm_mma(c.dt, g, stream) == c.takes);
+    if (c.takes) check_close(out.to(Device::cpu()), grouped_mm(x, w, off), rtol_of(c.dt), atol_of(c.dt), "direct forward");
+
+    Tensor dw = gpu(zeros({e, c.k, c.n}, {.dtype = c.dt}));
+    kernels::GroupedGemmWeightGradArgs wg;
+    wg.groups = e;
+    wg.offsets = offd.data<int64_t>();
+    wg.m = m; wg.n = c.n; wg.k = c.k;
+    wg.x = xd.data_ptr(); wg.ldx = c.k;
+    wg.dy = dyd.data_ptr(); wg.lddy = c.n;
+    wg.dw = dw.data_ptr();
+    CHECK(kernels::cuda::grouped_gemm_weight_grad_mma(c.dt, wg, stream) == c.takes);
+    if (c.takes) {
+      // The CPU's dw_e = x_e^T @ dy_e, as the gradient of sum(grouped_mm(x, w) * dy) to w.
+      Tensor wc = w.detach().set_requires_grad();
+      sum(grouped_mm(x, wc, off) * dy).backward();
+      check_close(dw.to(Device::cpu()), wc.grad(), rtol_of(c.dt), atol_of(c.dt) * 4, "direct weight gradient");
+    }
   }
 }
