@@ -2,7 +2,9 @@
 // GEMM ceiling. bf16, head dim 128, 16 heads, batch rows so that B * T = 16384 tokens (the grid
 // fills the chip at every length). FLOPs: forward 4 B H T S D (the two products), halved under a
 // causal mask; backward 2.5x the forward (five products, one of them the recomputed scores),
-// as flash-attention benchmarks count them. The backward includes its delta kernel.
+// as flash-attention benchmarks count them. The backward includes its delta kernel. Forward
+// rows ending in /mma run the mma.sync kernel (kernels/cuda/attention_mma.cu), the others the
+// WMMA one, so one run prints both side by side.
 //
 //   ./cuda_bench --benchmark_filter=attention
 #include <cmath>
@@ -52,9 +54,12 @@ struct Setup {
   }
 };
 
-void bm_forward(benchmark::State& state, int64_t t, bool causal) {
+void bm_forward(benchmark::State& state, int64_t t, bool causal, kernels::cuda::AttentionKernel kernel) {
+  const kernels::cuda::AttentionKernel before = kernels::cuda::attention_kernel();
+  kernels::cuda::set_attention_kernel(kernel);
   Setup s(t, causal);
   timed(state, 5, s.forward_flops, true, kPeakBf16Tflops, [&] { s.forward(); });
+  kernels::cuda::set_attention_kernel(before);
 }
 
 void bm_backward(benchmark::State& state, int64_t t, bool causal) {
@@ -66,7 +71,11 @@ void bm_backward(benchmark::State& state, int64_t t, bool causal) {
 void register_attention() {
   for (const auto& [t, causal] : {std::pair<int64_t, bool>{2048, true}, {8192, true}, {2048, false}}) {
     const std::string shape = shape_of({kTokens / t, kHeads, t, kDim}) + (causal ? "/causal" : "/dense");
-    reg("attention_fwd_bf16/" + shape, [t, causal](benchmark::State& s) { bm_forward(s, t, causal); });
+    using kernels::cuda::AttentionKernel;
+    reg("attention_fwd_bf16/" + shape,
+        [t, causal](benchmark::State& s) { bm_forward(s, t, causal, AttentionKernel::wmma); });
+    reg("attention_fwd_bf16/" + shape + "/mma",
+        [t, causal](benchmark::State& s) { bm_forward(s, t, causal, AttentionKernel::mma); });
     reg("attention_bwd_bf16/" + shape, [t, causal](benchmark::State& s) { bm_backward(s, t, causal); });
   }
 }

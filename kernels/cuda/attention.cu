@@ -11,14 +11,17 @@
 // rule (by index: bounds of the key loop; by position: min/max of the tile's positions) or the
 // documents hide entirely are skipped. 16-bit tiles are padded by 16 bytes a row against
 // shared-memory bank conflicts. This is the simple shared-memory form (no cp.async pipeline,
-// no wgmma): correct first, then faster.
+// no wgmma): correct first, then faster. attention_mma.cu has a FlashAttention-2 style forward
+// (mma.sync, S, P and O in registers), run instead when attention_kernel() says mma.
 #include <mma.h>
 
+#include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 
-#include "kernels/cuda/attention.h"
-#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/attention_common.cuh"
 
 namespace quilt::kernels::cuda {
 namespace {
@@ -75,20 +78,6 @@ struct Carve {
   }
 };
 
-// The call's sizes and mask, as the kernels read them.
-struct Params {
-  int64_t batch, hq, hkv, t, s;
-  float scale;
-  bool causal;
-  int64_t offset;                        // causal by index: query i sees key j iff j <= i + offset
-  const int32_t *q_doc, *k_doc;          // (B, T), (B, S) or null
-  const int32_t *q_pos, *k_pos;          // (B, T), (B, S) or null (causal by position)
-  bool vec;                              // every (64, D) tile row is 16-byte aligned
-  __host__ __device__ bool by_pos() const { return causal && q_pos != nullptr; }
-};
-
-__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
@@ -96,53 +85,6 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
-}
-
-// Min and max of a[0, n) (n >= 1), read by one warp from global memory; every lane gets them.
-__device__ __forceinline__ void warp_minmax(const int32_t* a, int n, int& lo, int& hi) {
-  const int lane = threadIdx.x & 31;
-  lo = INT_MAX;
-  hi = INT_MIN;
-  for (int i = lane; i < n; i += 32) {
-    lo = min(lo, a[i]);
-    hi = max(hi, a[i]);
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-  }
-}
-
-// Whether the tile of queries [q0, q0 + nq) and keys [k0, k0 + nk) of batch row b has a pair
-// the position or document mask lets through (causal by index is handled by loop bounds).
-// Every warp computes the same answer, so the block branches uniformly.
-__device__ bool tile_open(const Params& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk) {
-  int qlo, qhi, klo, khi;
-  if (p.by_pos()) {
-    warp_minmax(p.q_pos + b * p.t + q0, nq, qlo, qhi);
-    warp_minmax(p.k_pos + b * p.s + k0, nk, klo, khi);
-    if (klo > qhi) return false;
-  }
-  if (p.q_doc) {
-    warp_minmax(p.q_doc + b * p.t + q0, nq, qlo, qhi);
-    warp_minmax(p.k_doc + b * p.s + k0, nk, klo, khi);
-    if (qhi < klo || khi < qlo) return false;
-  }
-  return true;
-}
-
-// Keys [k0, k0 + 64) a query block [q0, q0 + nq) may see under the causal rule by index: up to
-// key q0 + nq - 1 + offset (exclusive end, clamped to [0, S]).
-__device__ __forceinline__ int64_t causal_end(const Params& p, int64_t q0, int nq) {
-  if (!p.causal || p.by_pos()) return p.s;
-  const int64_t e = q0 + nq + p.offset;
-  return e < 0 ? 0 : (e > p.s ? p.s : e);
-}
-// The first query a key block [k0, ...) is seen by under the causal rule by index.
-__device__ __forceinline__ int64_t causal_begin(const Params& p, int64_t k0) {
-  if (!p.causal || p.by_pos()) return 0;
-  const int64_t b = k0 - p.offset;
-  return b < 0 ? 0 : b;
 }
 
 // Rows [0, n) of a (rows, D) matrix at src into a (64, D) tile with row stride ld; rows n..63
@@ -665,30 +607,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(Params p, T* __r
 
 // ---- host side -------------------------------------------------------------------------------
 
-// Opt-in shared memory per block of the current device (cached per device).
-size_t smem_optin() {
-  static size_t cache[64] = {};
-  int dev = 0;
-  QUILT_CHECK_CUDA(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (cache[dev] == 0) {
-    int v = 0;
-    QUILT_CHECK_CUDA(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    cache[dev] = size_t(v);
-  }
-  return cache[dev];
-}
-
 template <class T, int kD>
 bool fits() {
   return Smem<T, kD>::most <= smem_optin();
-}
-
-Params params(const AttentionArgs& a, const void* const* ptrs, int n_ptrs) {
-  bool vec = true;
-  for (int i = 0; i < n_ptrs; ++i) vec = vec && (ptrs[i] == nullptr || aligned_to(ptrs[i], 16));
-  return Params{a.batch, a.q_heads, a.kv_heads, a.t, a.s, float(a.scale), a.causal, a.causal_offset,
-                a.q_doc, a.k_doc, a.q_pos, a.k_pos, vec};
 }
 
 unsigned grid_of(int64_t blocks, const char* what) {
@@ -707,7 +628,7 @@ template <class T, int kD>
 void forward_impl(const AttentionArgs& a, void* out, void* lse, const void* q, const void* k, const void* v,
                   cudaStream_t stream) {
   const void* ptrs[] = {out, q, k, v};
-  const Params p = params(a, ptrs, 4);
+  const Params p = attention_params(a, ptrs, 4);
   const int64_t nqb = (a.t + kTile - 1) / kTile;
   const unsigned grid = grid_of(a.batch * a.q_heads * nqb, "scaled_dot_product_attention");
   constexpr size_t smem = Smem<T, kD>::forward;
@@ -725,7 +646,7 @@ void backward_impl(const AttentionArgs& a, void* dq, void* dk, void* dv, const v
                    cudaStream_t stream) {
   constexpr const char* kWhat = "scaled_dot_product_attention_backward";
   const void* ptrs[] = {dq, dk, dv, dout, q, k, v, out};
-  const Params p = params(a, ptrs, 8);
+  const Params p = attention_params(a, ptrs, 8);
   const int64_t rows = a.batch * a.q_heads * a.t;
   float* delta = nullptr;
   if (rows > 0) {
@@ -782,7 +703,22 @@ void check_args(const AttentionArgs& a, const char* what) {
   if (a.causal && (a.q_pos == nullptr) != (a.k_pos == nullptr)) fail_msg(what, "give both query and key positions");
 }
 
+// set_attention_kernel's choice (-1: none yet).
+std::atomic<int> g_kernel_choice{-1};
+
 }  // namespace
+
+AttentionKernel attention_kernel() {
+  const int chosen = g_kernel_choice.load(std::memory_order_relaxed);
+  if (chosen >= 0) return AttentionKernel(chosen);
+  static const AttentionKernel from_env = [] {
+    const char* e = std::getenv("QUILT_CUDA_ATTENTION");
+    return e != nullptr && std::string_view(e) == "mma" ? AttentionKernel::mma : AttentionKernel::wmma;
+  }();
+  return from_env;
+}
+
+void set_attention_kernel(AttentionKernel k) { g_kernel_choice.store(int(k), std::memory_order_relaxed); }
 
 bool attention_supported(DType dt, int64_t d, int64_t dv) {
   if (d != dv || (d != 64 && d != 128)) return false;
@@ -797,6 +733,10 @@ void attention_forward(DType dt, const AttentionArgs& a, void* out, void* lse, c
   constexpr const char* kWhat = "scaled_dot_product_attention";
   if (a.batch == 0 || a.q_heads == 0 || a.t == 0) return;
   check_args(a, kWhat);
+  if (attention_kernel() == AttentionKernel::mma) {
+    const void* ptrs[] = {out, q, k, v};
+    if (attention_forward_mma(dt, a, attention_params(a, ptrs, 4), out, lse, q, k, v, as_stream(stream))) return;
+  }
   dispatch(dt, a.d, kWhat,
            [&]<class T, int kD>() { forward_impl<T, kD>(a, out, lse, q, k, v, as_stream(stream)); });
 }

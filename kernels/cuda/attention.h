@@ -2,7 +2,9 @@
 // log-sum-exp, and a backward that recomputes the probabilities from it. Same contract as the
 // CPU kernels (kernels/cpu/attention.h, whose AttentionArgs it takes, with device pointers):
 // GQA, causal by index or by position, document masks. No CUDA types here (streams are void*);
-// builds without CUDA link kernels/cuda_stub/attention_stub.cpp, which throws.
+// builds without CUDA link kernels/cuda_stub/attention_stub.cpp, which throws. Two forward
+// kernels: WMMA (the default) and mma.sync (FlashAttention-2 style, opt-in with
+// QUILT_CUDA_ATTENTION=mma or set_attention_kernel until it has passed on a GPU).
 //
 //   if (kernels::cuda::attention_supported(DType::bf16, 128, 128))
 //     kernels::cuda::attention_forward(DType::bf16, args, out, lse, q, k, v, stream);
@@ -16,6 +18,15 @@
 namespace quilt::kernels::cuda {
 
 using AttentionArgs = cpu::AttentionArgs;
+
+/// The forward kernel for bf16/f16 calls. f32, and calls the mma.sync kernel does not take
+/// (unaligned pointers), always run WMMA; the backward is WMMA for every choice.
+enum class AttentionKernel { wmma, mma };
+/// The forward kernel in use: set_attention_kernel's choice, else mma when the environment has
+/// QUILT_CUDA_ATTENTION=mma (read once), else wmma.
+AttentionKernel attention_kernel();
+/// Chooses the forward kernel for the rest of the process (tests and benchmarks run both).
+void set_attention_kernel(AttentionKernel k);
 
 /// True when the fused kernels take this call on the current device: f32, bf16 or f16, head
 /// dims d == dv of 64 or 128, and the shared memory the kernels need is there.

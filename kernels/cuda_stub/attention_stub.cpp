@@ -12,6 +12,13 @@ namespace {
 }
 }  // namespace
 
+// The choice is kept (nothing runs it) so that code setting it builds and behaves alike.
+namespace {
+AttentionKernel g_kernel = AttentionKernel::wmma;
+}  // namespace
+AttentionKernel attention_kernel() { return g_kernel; }
+void set_attention_kernel(AttentionKernel k) { g_kernel = k; }
+
 bool attention_supported(DType, int64_t, int64_t) { return false; }
 void attention_forward(DType, const AttentionArgs&, void*, void*, const void*, const void*, const void*, void*) {
   missing("scaled_dot_product_attention");

@@ -1,7 +1,8 @@
 // The CUDA flash-attention kernels (kernels/cuda/attention.cu) through scaled_dot_product_attention,
 // against the CPU op (itself checked against a float64 reference in attention_test.cpp): output,
 // log-sum-exp and the three gradients, causal or not, S != T, GQA, ragged tiles, documents and
-// causal-by-position; the lse once more against a float64 reference computed here.
+// causal-by-position; the lse once more against a float64 reference computed here. Each case
+// runs with both forward kernels (WMMA and mma.sync, chosen through set_attention_kernel).
 // Without a usable device every case prints why and returns.
 #include <doctest/doctest.h>
 
@@ -17,8 +18,22 @@
 
 using namespace quilt;
 using namespace quilt::cuda_test;
+using kernels::cuda::AttentionKernel;
 
 namespace {
+
+constexpr AttentionKernel kKernels[] = {AttentionKernel::wmma, AttentionKernel::mma};
+
+const char* kernel_name(AttentionKernel k) { return k == AttentionKernel::mma ? "mma" : "wmma"; }
+
+// Runs the forward kernel `k` until the end of the scope, then the one chosen before.
+struct UseKernel {
+  AttentionKernel before = kernels::cuda::attention_kernel();
+  explicit UseKernel(AttentionKernel k) { kernels::cuda::set_attention_kernel(k); }
+  ~UseKernel() { kernels::cuda::set_attention_kernel(before); }
+  UseKernel(const UseKernel&) = delete;
+  UseKernel& operator=(const UseKernel&) = delete;
+};
 
 struct Case {
   std::string name;
@@ -66,9 +81,10 @@ AttentionOptions options_for(const Case& c, bool on_gpu) {
   return o;
 }
 
-// Forward and backward of one case on the GPU against the CPU op.
-void check_case(const Case& c, DType dt) {
-  const std::string what = c.name + " " + dtype_name(dt);
+// Forward and backward of one case on the GPU, with forward kernel `kern`, against the CPU op.
+void check_case(const Case& c, DType dt, AttentionKernel kern) {
+  const UseKernel use(kern);
+  const std::string what = c.name + " " + dtype_name(dt) + " " + kernel_name(kern);
   INFO(what);
   REQUIRE(kernels::cuda::attention_supported(dt, c.d, c.d));
   const Tensor q = randn({c.b, c.hq, c.t, c.d}, RngKey(11, "q"), {.dtype = dt});
@@ -108,10 +124,12 @@ TEST_CASE("cuda: attention forward and backward match the CPU: causal or not, GQ
       {"causal T 150 S 37 D 64 (rows that see nothing)", 2, 4, 4, 150, 37, 64, true},
       {"causal T 1 D 128", 2, 8, 2, 1, 1, 128, true},
   };
-  for (const Case& c : cases)
-    for (DType dt : {DType::f32, DType::bf16}) check_case(c, dt);
-  check_case(cases[1], DType::f16);
-  check_case(cases[2], DType::f16);
+  for (AttentionKernel kern : kKernels) {
+    for (const Case& c : cases)
+      for (DType dt : {DType::f32, DType::bf16}) check_case(c, dt, kern);
+    check_case(cases[1], DType::f16, kern);
+    check_case(cases[2], DType::f16, kern);
+  }
 }
 
 TEST_CASE("cuda: attention with document ids and causal by position matches the CPU") {
@@ -122,38 +140,42 @@ TEST_CASE("cuda: attention with document ids and causal by position matches the 
       {"positions T 129 D 64", 2, 8, 2, 129, 129, 64, true, false, true},
       {"positions and documents T 200 D 128", 2, 4, 1, 200, 200, 128, true, true, true},
   };
-  for (const Case& c : cases)
-    for (DType dt : {DType::f32, DType::bf16}) check_case(c, dt);
+  for (AttentionKernel kern : kKernels)
+    for (const Case& c : cases)
+      for (DType dt : {DType::f32, DType::bf16, DType::f16}) check_case(c, dt, kern);
 }
 
 TEST_CASE("cuda: attention lse matches a float64 log-sum-exp of the scores") {
   SKIP_WITHOUT_CUDA();
   const int64_t b = 2, hq = 8, hkv = 2, t = 129, d = 64, g = hq / hkv;
-  for (bool causal : {false, true}) {
-    const Tensor q = randn({b, hq, t, d}, RngKey(12, "q"), {.dtype = DType::bf16});
-    const Tensor k = randn({b, hkv, t, d}, RngKey(12, "k"), {.dtype = DType::bf16});
-    const Tensor v = randn({b, hkv, t, d}, RngKey(12, "v"), {.dtype = DType::bf16});
-    const AttentionOutput r = scaled_dot_product_attention(gpu(q), gpu(k), gpu(v), {.causal = causal});
-    const std::vector<double> qv = q.to_vector(), kv = k.to_vector();
-    std::vector<double> want(size_t(b * hq * t));
-    const double scale = 1.0 / std::sqrt(double(d));
-    for (int64_t bi = 0; bi < b; ++bi)
-      for (int64_t h = 0; h < hq; ++h)
-        for (int64_t i = 0; i < t; ++i) {
-          std::vector<double> s;
-          for (int64_t j = 0; j < (causal ? i + 1 : t); ++j) {
-            double dot = 0;
-            for (int64_t c = 0; c < d; ++c)
-              dot += qv[size_t(((bi * hq + h) * t + i) * d + c)] * kv[size_t(((bi * hkv + h / g) * t + j) * d + c)];
-            s.push_back(dot * scale);
+  for (AttentionKernel kern : kKernels) {
+    const UseKernel use(kern);
+    for (bool causal : {false, true}) {
+      const Tensor q = randn({b, hq, t, d}, RngKey(12, "q"), {.dtype = DType::bf16});
+      const Tensor k = randn({b, hkv, t, d}, RngKey(12, "k"), {.dtype = DType::bf16});
+      const Tensor v = randn({b, hkv, t, d}, RngKey(12, "v"), {.dtype = DType::bf16});
+      const AttentionOutput r = scaled_dot_product_attention(gpu(q), gpu(k), gpu(v), {.causal = causal});
+      const std::vector<double> qv = q.to_vector(), kv = k.to_vector();
+      std::vector<double> want(size_t(b * hq * t));
+      const double scale = 1.0 / std::sqrt(double(d));
+      for (int64_t bi = 0; bi < b; ++bi)
+        for (int64_t h = 0; h < hq; ++h)
+          for (int64_t i = 0; i < t; ++i) {
+            std::vector<double> s;
+            for (int64_t j = 0; j < (causal ? i + 1 : t); ++j) {
+              double dot = 0;
+              for (int64_t c = 0; c < d; ++c)
+                dot += qv[size_t(((bi * hq + h) * t + i) * d + c)] * kv[size_t(((bi * hkv + h / g) * t + j) * d + c)];
+              s.push_back(dot * scale);
+            }
+            const double top = *std::max_element(s.begin(), s.end());
+            double z = 0;
+            for (double x : s) z += std::exp(x - top);
+            want[size_t((bi * hq + h) * t + i)] = top + std::log(z);
           }
-          const double top = *std::max_element(s.begin(), s.end());
-          double z = 0;
-          for (double x : s) z += std::exp(x - top);
-          want[size_t((bi * hq + h) * t + i)] = top + std::log(z);
-        }
-    check_close(r.lse, from_vector(want, {b, hq, t}, {.dtype = DType::f32}), 1e-5, 1e-4,
-                causal ? "lse causal" : "lse");
+      check_close(r.lse, from_vector(want, {b, hq, t}, {.dtype = DType::f32}), 1e-5, 1e-4,
+                  std::string(causal ? "lse causal " : "lse ") + kernel_name(kern));
+    }
   }
 }
 
@@ -173,11 +195,33 @@ TEST_CASE("cuda: attention head dims the kernels do not take run the composite")
 
 TEST_CASE("cuda: attention fused and composite agree on the GPU, bf16 causal D 128") {
   SKIP_WITHOUT_CUDA();
-  const Tensor q = gpu(randn({1, 4, 300, 128}, RngKey(14, "q"), {.dtype = DType::bf16}));
-  const Tensor k = gpu(randn({1, 4, 300, 128}, RngKey(14, "k"), {.dtype = DType::bf16}));
-  const Tensor v = gpu(randn({1, 4, 300, 128}, RngKey(14, "v"), {.dtype = DType::bf16}));
-  const AttentionOutput fused = scaled_dot_product_attention(q, k, v, {.causal = true});
-  const AttentionOutput comp = scaled_dot_product_attention(q, k, v, {.causal = true, .composite = true});
-  check_scaled(fused.out, comp.out, 3e-2, 3e-2, "fused vs composite out");
-  check_close(fused.lse, comp.lse, 1e-2, 1e-2, "fused vs composite lse");
+  for (AttentionKernel kern : kKernels) {
+    const UseKernel use(kern);
+    const std::string name = kernel_name(kern);
+    const Tensor q = gpu(randn({1, 4, 300, 128}, RngKey(14, "q"), {.dtype = DType::bf16}));
+    const Tensor k = gpu(randn({1, 4, 300, 128}, RngKey(14, "k"), {.dtype = DType::bf16}));
+    const Tensor v = gpu(randn({1, 4, 300, 128}, RngKey(14, "v"), {.dtype = DType::bf16}));
+    const AttentionOutput fused = scaled_dot_product_attention(q, k, v, {.causal = true});
+    const AttentionOutput comp = scaled_dot_product_attention(q, k, v, {.causal = true, .composite = true});
+    check_scaled(fused.out, comp.out, 3e-2, 3e-2, "fused vs composite out " + name);
+    check_close(fused.lse, comp.lse, 1e-2, 1e-2, "fused vs composite lse " + name);
+  }
+}
+
+TEST_CASE("cuda: attention kernel choice is kept until changed, and f32 falls back to WMMA") {
+  const AttentionKernel before = kernels::cuda::attention_kernel();
+  {
+    const UseKernel use(AttentionKernel::mma);
+    CHECK(kernels::cuda::attention_kernel() == AttentionKernel::mma);
+  }
+  CHECK(kernels::cuda::attention_kernel() == before);
+  SKIP_WITHOUT_CUDA();
+  const UseKernel use(AttentionKernel::mma);
+  const Tensor q = randn({1, 2, 70, 64}, RngKey(15, "q"));
+  const Tensor k = randn({1, 2, 70, 64}, RngKey(15, "k"));
+  const Tensor v = randn({1, 2, 70, 64}, RngKey(15, "v"));
+  const AttentionOutput rc = scaled_dot_product_attention(q, k, v, {.causal = true});
+  const AttentionOutput rg = scaled_dot_product_attention(gpu(q), gpu(k), gpu(v), {.causal = true});
+  check_close(rg.out, rc.out, 1e-4, 1e-5, "f32 under mma out");
+  check_close(rg.lse, rc.lse, 1e-5, 1e-5, "f32 under mma lse");
 }
