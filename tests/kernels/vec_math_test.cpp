@@ -1,0 +1,75 @@
+// kernels/cpu/vec_math.h: the vectorisable exp against libm, and the bf16 rounding against
+// float_to_bf16_bits, run through the loops the kernels use.
+#include "kernels/cpu/vec_math.h"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <bit>
+#include <limits>
+#include <vector>
+
+namespace vec = quilt::kernels::cpu::vec;
+
+namespace {
+
+void exp_loop(float* __restrict y, const float* __restrict x, int64_t n) {
+#pragma omp simd simdlen(16)
+  for (int64_t i = 0; i < n; ++i) y[i] = vec::exp(x[i]);
+}
+
+}  // namespace
+
+TEST_CASE("vec_math: exp is within 2 ulp of the f64 exp over the normal f32 range") {
+  const int64_t n = 1 << 20;
+  std::vector<float> x(static_cast<size_t>(n)), y(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) x[size_t(i)] = -87.3f + 176.0f * float(i) / float(n);
+  exp_loop(y.data(), x.data(), n);
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double want = std::exp(double(x[size_t(i)]));
+    if (want < double(std::numeric_limits<float>::min()) || want > double(std::numeric_limits<float>::max())) continue;
+    const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
+    worst = std::max(worst, std::abs(double(y[size_t(i)]) - want) / ulp);
+  }
+  CHECK(worst < 2.0);
+}
+
+TEST_CASE("vec_math: exp gives 0 below -87.34, inf above 88.72, and keeps NaN") {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> x = {-inf, -1000.0f, -87.34f, 88.73f, 1000.0f, inf, std::nanf(""), 0.0f, -0.0f};
+  std::vector<float> y(x.size());
+  exp_loop(y.data(), x.data(), int64_t(x.size()));
+  CHECK(y[0] == 0.0f);
+  CHECK(y[1] == 0.0f);
+  CHECK(y[2] == 0.0f);
+  CHECK(y[3] == inf);
+  CHECK(y[4] == inf);
+  CHECK(y[5] == inf);
+  CHECK(std::isnan(y[6]));
+  CHECK(y[7] == 1.0f);
+  CHECK(y[8] == 1.0f);
+}
+
+TEST_CASE("vec_math: bf16 rounding equals float_to_bf16_bits: ties, NaN, inf, denormals, near the bf16 max") {
+  std::vector<uint32_t> bits = {
+      0x3f808000u, 0x3f818000u,              // ties: to even (down), to even (up)
+      0x3f808001u, 0x3f807fffu,              // just above / below a tie
+      0x7f800000u, 0xff800000u,              // +-inf
+      0x7fc00000u, 0x7f800001u, 0xff812345u, // quiet NaN, signalling NaNs (quieted, stay NaN)
+      0x00000001u, 0x00008000u, 0x00018000u, 0x807fffffu, 0x00800000u,  // denormals, smallest normal
+      0x7f7f7fffu, 0x7f7f8000u, 0x7f7fffffu, // near the bf16 max: stays, ties to inf, rounds to inf
+      0x00000000u, 0x80000000u,              // signed zeros
+  };
+  for (uint32_t i = 0; i < 4096; ++i) bits.push_back(i * 0x000fdb97u);  // a spread of others
+  for (uint32_t u : bits) {
+    CAPTURE(u);
+    const float f = std::bit_cast<float>(u);
+    CHECK(vec::bf16_bits(f) == quilt::float_to_bf16_bits(f));
+    quilt::BFloat16 b;
+    vec::store(b, f);
+    CHECK(b.bits == quilt::float_to_bf16_bits(f));
+    CHECK(std::bit_cast<uint32_t>(vec::load(b)) == uint32_t(b.bits) << 16);
+  }
+}
