@@ -1,8 +1,8 @@
-// Element functions for loops the compiler vectorises for the build's target (AVX2, AVX-512, or
-// plain SSE): branchless, no calls into libm, integer tricks through std::bit_cast. A loop of
-// them under `#pragma omp simd` runs 8 or 16 lanes at once, so the exp-bound kernels (cross
-// entropy, SwiGLU) stop being bound by a per-element call, and bf16 rows widen and round inside
-// the same loop as the math instead of through a scratch row.
+// Element functions for loops the compiler vectorises for the build's target (AVX2, AVX-512;
+// not SSE-only builds, where the selects stay branches): branchless, no calls into libm,
+// integer tricks through std::bit_cast. Used by the SwiGLU backward's block loop; load/store
+// let a loop read and write bf16 in place (measured slower than the blockwise widen + Eigen
+// form for the exp-bound kernels on AVX-512, see docs/PERF.md, 2026-12-04).
 //
 //   #pragma omp simd simdlen(16)
 //   for (int64_t i = 0; i < n; ++i) y[i] = vec::exp(x[i]);           // f32
