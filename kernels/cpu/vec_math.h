@@ -7,7 +7,7 @@
 //   #pragma omp simd simdlen(16)
 //   for (int64_t i = 0; i < n; ++i) y[i] = vec::exp(x[i]);           // f32
 //   #pragma omp simd
-//   for (int64_t i = 0; i < n; ++i) o[i] = vec::to_bf16(vec::load(b[i]) * 2.0f);
+//   for (int64_t i = 0; i < n; ++i) vec::store(o[i], vec::load(b[i]) * 2.0f);  // bf16 o, b
 #pragma once
 
 #include <bit>
