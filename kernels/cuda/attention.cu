@@ -713,7 +713,7 @@ AttentionKernel attention_kernel() {
   if (chosen >= 0) return AttentionKernel(chosen);
   static const AttentionKernel from_env = [] {
     const char* e = std::getenv("QUILT_CUDA_ATTENTION");
-    return e != nullptr && std::string_view(e) == "mma" ? AttentionKernel::mma : AttentionKernel::wmma;
+    return e != nullptr && std::string_view(e) == "wmma" ? AttentionKernel::wmma : AttentionKernel::mma;
   }();
   return from_env;
 }

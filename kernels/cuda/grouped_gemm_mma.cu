@@ -416,8 +416,8 @@ bool is16(DType dt) { return dt == DType::bf16 || dt == DType::f16; }
 
 GroupedGemmKernel kernel_from_env() {
   const char* v = std::getenv("QUILT_CUDA_GROUPED_GEMM");
-  if (v == nullptr || *v == '\0' || std::string(v) == "wmma") return GroupedGemmKernel::wmma;
-  if (std::string(v) == "mma") return GroupedGemmKernel::mma;
+  if (v == nullptr || *v == '\0' || std::string(v) == "mma") return GroupedGemmKernel::mma;
+  if (std::string(v) == "wmma") return GroupedGemmKernel::wmma;
   fail_msg("grouped_mm", ("QUILT_CUDA_GROUPED_GEMM is '" + std::string(v) + "', not 'wmma' or 'mma'").c_str());
 }
 

@@ -14,7 +14,7 @@ namespace {
 
 // The choice is kept (nothing runs it) so that code setting it builds and behaves alike.
 namespace {
-AttentionKernel g_kernel = AttentionKernel::wmma;
+AttentionKernel g_kernel = AttentionKernel::mma;
 }  // namespace
 AttentionKernel attention_kernel() { return g_kernel; }
 void set_attention_kernel(AttentionKernel k) { g_kernel = k; }

@@ -15,7 +15,7 @@ void grouped_gemm(DType, const GroupedGemmArgs&, void*) { missing("grouped_mm");
 void grouped_gemm_weight_grad(DType, const GroupedGemmWeightGradArgs&, void*) { missing("grouped_mm_weight_grad"); }
 // The selection is plain state (no kernel behind it), so tests can set it in any build.
 namespace {
-GroupedGemmKernel selected = GroupedGemmKernel::wmma;
+GroupedGemmKernel selected = GroupedGemmKernel::mma;
 }  // namespace
 GroupedGemmKernel grouped_gemm_kernel() { return selected; }
 void set_grouped_gemm_kernel(GroupedGemmKernel kernel) { selected = kernel; }

@@ -210,9 +210,9 @@ TEST_CASE("cuda: attention fused and composite agree on the GPU, bf16 causal D 1
 
 TEST_CASE("cuda: attention kernel choice is kept until changed, and f32 falls back to WMMA") {
   const AttentionKernel before = kernels::cuda::attention_kernel();
-  {
-    const UseKernel use(AttentionKernel::mma);
-    CHECK(kernels::cuda::attention_kernel() == AttentionKernel::mma);
+  for (AttentionKernel k : {AttentionKernel::wmma, AttentionKernel::mma}) {
+    const UseKernel use(k);
+    CHECK(kernels::cuda::attention_kernel() == k);
   }
   CHECK(kernels::cuda::attention_kernel() == before);
   SKIP_WITHOUT_CUDA();

@@ -74,6 +74,7 @@ class UseGroupedKernel {
 };
 
 constexpr auto kMma = kernels::cuda::GroupedGemmKernel::mma;
+constexpr auto kWmma = kernels::cuda::GroupedGemmKernel::wmma;
 
 }  // namespace
 
@@ -81,6 +82,8 @@ TEST_CASE("cuda: grouped_mm forward and gradients match the CPU with empty, sing
   SKIP_WITHOUT_CUDA();
   // Empty experts first, in the middle and last; a 1-row expert; 130 and 300 rows (partial
   // 128-row tiles); K = 72 (16-byte rows, a partial 32-deep K step), N = 200 (two column tiles).
+  // The WMMA kernels (the mma.sync ones, the default, have their own cases below).
+  const UseGroupedKernel use(kWmma);
   const std::vector<int64_t> counts = {0, 1, 130, 0, 7, 300, 0, 65, 0};
   for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64})
     for (bool tw : {false, true}) check_grouped("ragged experts", counts, 72, 200, dt, tw);
@@ -90,6 +93,7 @@ TEST_CASE("cuda: grouped_mm forward and gradients match the CPU with empty, sing
 TEST_CASE("cuda: grouped_mm handles unaligned K and N (element copies) and a single expert") {
   SKIP_WITHOUT_CUDA();
   // K = 45 and N = 37: rows of x and w are not 16-byte multiples, so tiles load element-wise.
+  const UseGroupedKernel use(kWmma);
   for (DType dt : {DType::f32, DType::bf16}) {
     for (bool tw : {false, true}) check_grouped("unaligned K, N", {3, 0, 129, 1}, 45, 37, dt, tw);
     check_grouped("one expert", {257}, 64, 136, dt, false);
@@ -98,6 +102,7 @@ TEST_CASE("cuda: grouped_mm handles unaligned K and N (element copies) and a sin
 
 TEST_CASE("cuda: grouped_mm with many k steps and many row tiles matches the CPU in bf16") {
   SKIP_WITHOUT_CUDA();
+  const UseGroupedKernel use(kWmma);
   check_grouped("deep K", {1000, 0, 24, 513}, 512, 384, DType::bf16, false);
   check_grouped("deep K", {1000, 0, 24, 513}, 512, 384, DType::bf16, true);
 }
