@@ -100,7 +100,8 @@ Tensor index_tensor(const std::vector<int64_t>& v, const Shape& shape, DType dt 
   return from_vector(std::vector<double>(v.begin(), v.end()), shape, {.dtype = dt});
 }
 
-// A harness case for grouped_mm over the given group sizes.
+// A harness case for grouped_mm over the given group sizes. The op moves the offsets to the
+// inputs' device, so the harness's GPU pass runs the case too (as in every case below).
 void run_grouped_case(const std::string& name, const std::vector<int64_t>& counts, int64_t k, int64_t n,
                       DType offsets_dtype = DType::i64) {
   const std::vector<int64_t> off = cumulative(counts);
@@ -108,7 +109,7 @@ void run_grouped_case(const std::string& name, const std::vector<int64_t>& count
   const Tensor offsets = offsets_tensor(off, offsets_dtype);
   run_op_case({.name = name,
                .inputs = {{{m, k}}, {{e, k, n}}},
-               .op = [offsets](const V& x) { return V{grouped_mm(x[0], x[1], offsets)}; },
+               .op = [offsets](const V& x) { return V{grouped_mm(x[0], x[1], offsets.to(x[0].device()))}; },
                .ref = [off](const R& r) { return R{grouped_mm_ref(r[0], r[1], off)}; }});
 }
 
@@ -281,7 +282,7 @@ TEST_CASE("grouped_mm: its backward is made of ops and differentiates again") {
                      EnableGradGuard eg;  // the finite-difference passes run under NoGradGuard
                      Tensor x = in[0].requires_grad() ? in[0] : in[0].detach().set_requires_grad();
                      Tensor w = in[1].requires_grad() ? in[1] : in[1].detach().set_requires_grad();
-                     auto gs = grad({grouped_mm(x, w, offsets)}, {x, w}, {in[2]}, true, true);
+                     auto gs = grad({grouped_mm(x, w, offsets.to(x.device()))}, {x, w}, {in[2]}, true, true);
                      return V{gs[0], gs[1]};
                    },
                .ref =
@@ -384,7 +385,7 @@ TEST_CASE("moe_permute: copies token rows into routed order and its gradient sum
   const Tensor ord = index_tensor(order, {tokens * k});
   run_op_case({.name = "moe_permute",
                .inputs = {{{tokens, h}}},
-               .op = [ord](const V& x) { return V{moe_permute(x[0], ord, k)}; },
+               .op = [ord](const V& x) { return V{moe_permute(x[0], ord.to(x[0].device()), k)}; },
                .ref = [order](const R& r) { return R{permute_ref(r[0], order, k)}; }});
   // The gradient: each token's k rows summed (weights of ones), in slot order.
   Tensor x = randn({tokens, h}, RngKey(6, "x"), {.dtype = DType::f64}).set_requires_grad();
@@ -400,7 +401,7 @@ TEST_CASE("moe_unpermute: combines in slot order and matches its reference, with
   const Tensor ord = index_tensor(order, {tokens * k}, DType::i32);
   run_op_case({.name = "moe_unpermute",
                .inputs = {{{tokens * k, h}}, {{tokens, k}, Gen::unit}},
-               .op = [ord](const V& x) { return V{moe_unpermute(x[0], ord, x[1])}; },
+               .op = [ord](const V& x) { return V{moe_unpermute(x[0], ord.to(x[0].device()), x[1])}; },
                .ref = [order](const R& r) { return R{unpermute_ref(r[0], order, r[1])}; }});
   // Weights of another dtype are cast to y's, and their gradient comes back in theirs.
   Tensor y = randn({tokens * k, h}, RngKey(7, "y"), {.dtype = DType::f64});
@@ -424,7 +425,8 @@ TEST_CASE("moe ops: a routed expert layer's gradients match finite differences")
                .inputs = {{{tokens, h}}, {{experts, h, n}}, {{tokens, k}, Gen::unit}},
                .op =
                    [r, k](const V& x) {
-                     return V{moe_unpermute(grouped_mm(moe_permute(x[0], r.order, k), x[1], r.offsets), r.order, x[2])};
+                     const Tensor order = r.order.to(x[0].device()), offsets = r.offsets.to(x[0].device());
+                     return V{moe_unpermute(grouped_mm(moe_permute(x[0], order, k), x[1], offsets), order, x[2])};
                    },
                .ref =
                    [order, off, k](const R& x) {

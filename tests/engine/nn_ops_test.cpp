@@ -170,12 +170,12 @@ bool philox_keeps(uint64_t seed, uint64_t key, int64_t i, double p) {
   return double(kernels::uint_to_unit(kernels::philox_block(seed, key, uint64_t(i)).v[0])) > p;
 }
 
-// Constant bool tensor of `shape` whose element i is pred(i).
+// Constant bool tensor of `shape` on `device` whose element i is pred(i).
 template <class P>
-Tensor bool_tensor(const Shape& shape, P&& pred) {
+Tensor bool_tensor(const Shape& shape, P&& pred, Device device = Device::cpu()) {
   std::vector<double> v(static_cast<size_t>(numel_of(shape)));
   for (size_t i = 0; i < v.size(); ++i) v[i] = pred(int64_t(i)) ? 1.0 : 0.0;
-  return from_vector(v, shape, {.dtype = DType::b8});
+  return from_vector(v, shape, {.dtype = DType::b8, .device = device});
 }
 
 const char* reduction_name(Reduction r) {
@@ -228,14 +228,15 @@ TEST_CASE("nn ops: cross_entropy matches the reference for every reduction, with
   for (const auto& [lead, c] : cases) {
     Shape ls = lead;
     ls.push_back(c);
-    // Every third target from the second one on is ignored, so row 0 always counts.
+    // Every third target from the second one on is ignored, so row 0 always counts. (Moved to
+    // the inputs' device in the op, so the harness's GPU pass runs the case too.)
     const Tensor ignored = bool_tensor(lead, [](int64_t i) { return i % 3 == 1; });
     for (DType tdt : {DType::i64, DType::i32}) {
       for (Reduction red : {Reduction::mean, Reduction::sum, Reduction::none}) {
         run_op_case({.name = std::string("cross_entropy ") + reduction_name(red) + " " + dtype_name(tdt),
                      .inputs = {{ls}, {lead, Gen::index, false, c, tdt}},
                      .op = [=](const V& x) {
-                       Tensor t = where(ignored, scalar_like(double(ignore), x[1]), x[1]);
+                       Tensor t = where(ignored.to(x[1].device()), scalar_like(double(ignore), x[1]), x[1]);
                        return V{cross_entropy(x[0], t, ignore, red)};
                      },
                      .ref = [=](const R& r) {
@@ -493,7 +494,8 @@ TEST_CASE("nn ops: scaled_dot_product_attention with a bool mask, a fully masked
     run_op_case({.name = causal ? "sdpa mask + causal GQA" : "sdpa mask GQA",
                  .inputs = {{{2, 4, t, 2}}, {{2, 2, s, 2}}, {{2, 2, s, 3}}, {{2, 1, t, s}, Gen::mask}},
                  .op = [=](const V& x) {
-                   return V{scaled_dot_product_attention(x[0], x[1], x[2], logical_and(x[3], keep_rows), causal, 0.7)};
+                   const Tensor mask = logical_and(x[3], keep_rows.to(x[3].device()));
+                   return V{scaled_dot_product_attention(x[0], x[1], x[2], mask, causal, 0.7)};
                  },
                  .ref = [=](const R& r) {
                    Ref m = r[3];
@@ -672,7 +674,8 @@ TEST_CASE("nn ops: backward primitives are themselves differentiable in the inco
   run_op_case({.name = "cross_entropy double backward",
                .inputs = {{{4, 6}, Gen::normal, false}, {{4}, Gen::index, false, 6}, {{4}}},
                .op = [=](const V& x) {
-                 Tensor t = where(bool_tensor({4}, [](int64_t i) { return i == 2; }), scalar_like(-100, x[1]), x[1]);
+                 Tensor t = where(bool_tensor({4}, [](int64_t i) { return i == 2; }, x[1].device()),
+                                  scalar_like(-100, x[1]), x[1]);
                  auto f = [&](const Tensor& l) { return cross_entropy(l, t, -100, Reduction::none); };
                  return V{seeded_grad(x[0], x[2], f)};
                },

@@ -11,6 +11,8 @@
 // Adding an op is a few lines:
 //   run_op_case({.name = "exp", .inputs = {{{3, 5}}}, .op = [](auto& x) { return V{exp(x[0])}; },
 //                .ref = [](auto& r) { return R{map(r[0], [](double a) { return std::exp(a); })}; }});
+// An op that makes or captures tensors of its own (offsets, masks) puts them on its inputs'
+// device (`offsets.to(x[0].device())`), so that check 6 runs it on the GPU as on the CPU.
 #pragma once
 
 #include <doctest/doctest.h>
