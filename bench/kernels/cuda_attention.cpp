@@ -2,9 +2,10 @@
 // GEMM ceiling. bf16, head dim 128, 16 heads, batch rows so that B * T = 16384 tokens (the grid
 // fills the chip at every length). FLOPs: forward 4 B H T S D (the two products), halved under a
 // causal mask; backward 2.5x the forward (five products, one of them the recomputed scores),
-// as flash-attention benchmarks count them. The backward includes its delta kernel. Forward
-// rows ending in /mma run the mma.sync kernel (kernels/cuda/attention_mma.cu), the others the
-// WMMA one, so one run prints both side by side.
+// as flash-attention benchmarks count them. The backward includes its delta kernel. Rows
+// ending in /mma run the mma.sync kernels (kernels/cuda/attention_mma.cu, forward;
+// attention_mma_backward.cu, backward), the others the WMMA ones, so one run prints both side
+// by side (the backward rows' forward, run once to get out and lse, is the default kernel).
 //
 //   ./cuda_bench --benchmark_filter=attention
 #include <cmath>
@@ -62,10 +63,13 @@ void bm_forward(benchmark::State& state, int64_t t, bool causal, kernels::cuda::
   kernels::cuda::set_attention_kernel(before);
 }
 
-void bm_backward(benchmark::State& state, int64_t t, bool causal) {
+void bm_backward(benchmark::State& state, int64_t t, bool causal, kernels::cuda::AttentionKernel kernel) {
+  const kernels::cuda::AttentionKernel before = kernels::cuda::attention_backward_kernel();
+  kernels::cuda::set_attention_backward_kernel(kernel);
   Setup s(t, causal);
   s.forward();
   timed(state, 3, 2.5 * s.forward_flops, true, kPeakBf16Tflops, [&] { s.backward(); });
+  kernels::cuda::set_attention_backward_kernel(before);
 }
 
 void register_attention() {
@@ -76,7 +80,10 @@ void register_attention() {
         [t, causal](benchmark::State& s) { bm_forward(s, t, causal, AttentionKernel::wmma); });
     reg("attention_fwd_bf16/" + shape + "/mma",
         [t, causal](benchmark::State& s) { bm_forward(s, t, causal, AttentionKernel::mma); });
-    reg("attention_bwd_bf16/" + shape, [t, causal](benchmark::State& s) { bm_backward(s, t, causal); });
+    reg("attention_bwd_bf16/" + shape,
+        [t, causal](benchmark::State& s) { bm_backward(s, t, causal, AttentionKernel::wmma); });
+    reg("attention_bwd_bf16/" + shape + "/mma",
+        [t, causal](benchmark::State& s) { bm_backward(s, t, causal, AttentionKernel::mma); });
   }
 }
 

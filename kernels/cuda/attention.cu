@@ -12,7 +12,9 @@
 // documents hide entirely are skipped. 16-bit tiles are padded by 16 bytes a row against
 // shared-memory bank conflicts. This is the simple shared-memory form (no cp.async pipeline,
 // no wgmma): correct first, then faster. attention_mma.cu has a FlashAttention-2 style forward
-// (mma.sync, S, P and O in registers), run instead when attention_kernel() says mma.
+// (mma.sync, S, P and O in registers), run instead when attention_kernel() says mma, and
+// attention_mma_backward.cu the backward's dK/dV and dQ kernels in that style, run after this
+// file's delta kernel when attention_backward_kernel() says mma.
 #include <mma.h>
 
 #include <atomic>
@@ -655,6 +657,12 @@ void backward_impl(const AttentionArgs& a, void* dq, void* dk, void* dv, const v
         delta, static_cast<const T*>(dout), static_cast<const T*>(out), static_cast<const float*>(dlse), rows, kD);
     QUILT_CHECK_LAUNCH();
   }
+  if (attention_backward_kernel() == AttentionKernel::mma &&
+      attention_backward_mma(dtype_of<T>(), a, p, dq, dk, dv, dout, q, k, v, static_cast<const float*>(lse), delta,
+                             stream)) {
+    if (delta) workspace_free(delta, stream);
+    return;
+  }
   const int64_t nkb = (a.s + kTile - 1) / kTile, nqb = (a.t + kTile - 1) / kTile;
   if (a.batch * a.kv_heads * nkb > 0) {  // with T = 0 this writes dK = dV = 0
     const unsigned grid = grid_of(a.batch * a.kv_heads * nkb, kWhat);
@@ -703,8 +711,9 @@ void check_args(const AttentionArgs& a, const char* what) {
   if (a.causal && (a.q_pos == nullptr) != (a.k_pos == nullptr)) fail_msg(what, "give both query and key positions");
 }
 
-// set_attention_kernel's choice (-1: none yet).
+// set_attention_kernel's and set_attention_backward_kernel's choices (-1: none yet).
 std::atomic<int> g_kernel_choice{-1};
+std::atomic<int> g_backward_choice{-1};
 
 }  // namespace
 
@@ -719,6 +728,20 @@ AttentionKernel attention_kernel() {
 }
 
 void set_attention_kernel(AttentionKernel k) { g_kernel_choice.store(int(k), std::memory_order_relaxed); }
+
+AttentionKernel attention_backward_kernel() {
+  const int chosen = g_backward_choice.load(std::memory_order_relaxed);
+  if (chosen >= 0) return AttentionKernel(chosen);
+  static const AttentionKernel from_env = [] {
+    const char* e = std::getenv("QUILT_CUDA_ATTENTION_BWD");
+    return e != nullptr && std::string_view(e) == "mma" ? AttentionKernel::mma : AttentionKernel::wmma;
+  }();
+  return from_env;
+}
+
+void set_attention_backward_kernel(AttentionKernel k) {
+  g_backward_choice.store(int(k), std::memory_order_relaxed);
+}
 
 bool attention_supported(DType dt, int64_t d, int64_t dv) {
   if (d != dv || (d != 64 && d != 128)) return false;

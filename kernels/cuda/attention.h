@@ -5,7 +5,9 @@
 // builds without CUDA link kernels/cuda_stub/attention_stub.cpp, which throws. Two forward
 // kernels: mma.sync (FlashAttention-2 style, the default since it passed every attention test
 // on an H200 at 5-6x the WMMA kernel's rate) and WMMA (QUILT_CUDA_ATTENTION=wmma or
-// set_attention_kernel).
+// set_attention_kernel). The backward has its own choice: WMMA, or an mma.sync backward in the
+// same style (opt-in with QUILT_CUDA_ATTENTION_BWD=mma or set_attention_backward_kernel until
+// it has passed on a GPU).
 //
 //   if (kernels::cuda::attention_supported(DType::bf16, 128, 128))
 //     kernels::cuda::attention_forward(DType::bf16, args, out, lse, q, k, v, stream);
@@ -20,14 +22,19 @@ namespace quilt::kernels::cuda {
 
 using AttentionArgs = cpu::AttentionArgs;
 
-/// The forward kernel for bf16/f16 calls. f32, and calls the mma.sync kernel does not take
-/// (unaligned pointers), always run WMMA; the backward is WMMA for every choice.
+/// The forward or backward kernels for bf16/f16 calls. f32, and calls the mma.sync kernels do
+/// not take (unaligned pointers), always run WMMA.
 enum class AttentionKernel { wmma, mma };
 /// The forward kernel in use: set_attention_kernel's choice, else wmma when the environment has
 /// QUILT_CUDA_ATTENTION=wmma (read once), else mma.
 AttentionKernel attention_kernel();
 /// Chooses the forward kernel for the rest of the process (tests and benchmarks run both).
 void set_attention_kernel(AttentionKernel k);
+/// The backward kernels in use: set_attention_backward_kernel's choice, else mma when the
+/// environment has QUILT_CUDA_ATTENTION_BWD=mma (read once), else wmma.
+AttentionKernel attention_backward_kernel();
+/// Chooses the backward kernels for the rest of the process (tests and benchmarks run both).
+void set_attention_backward_kernel(AttentionKernel k);
 
 /// True when the fused kernels take this call on the current device: f32, bf16 or f16, head
 /// dims d == dv of 64 or 128, and the shared memory the kernels need is there.

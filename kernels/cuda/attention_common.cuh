@@ -1,6 +1,7 @@
 // Internal to the CUDA attention kernels (attention.cu: the WMMA kernels and the host entry
-// points; attention_mma.cu: the mma.sync forward): the call's sizes and mask as the kernels
-// read them, the tile-skipping tests both kernels share, and the mma.sync forward's entry.
+// points; attention_mma.cu, attention_mma_backward.cu: the mma.sync forward and backward): the
+// call's sizes and mask as the kernels read them, the tile-skipping tests they share, and the
+// mma.sync kernels' entries.
 //
 //   const Params p = attention_params(a, ptrs, 4);
 //   if (!attention_forward_mma(dt, a, p, out, lse, q, k, v, stream)) { /* the WMMA kernel */ }
@@ -103,5 +104,12 @@ __device__ __forceinline__ int64_t causal_begin(const Params& p, int64_t k0) {
 /// returns false and launches nothing.
 bool attention_forward_mma(DType dt, const AttentionArgs& a, const Params& p, void* out, void* lse, const void* q,
                            const void* k, const void* v, cudaStream_t stream);
+
+/// The mma.sync backward (attention_mma_backward.cu) when it takes the call (as the forward):
+/// launches its dK/dV and dQ kernels, which read delta (B, Hq, T) = rowsum(dO ∘ O) - dlse, and
+/// returns true; otherwise returns false and launches nothing.
+bool attention_backward_mma(DType dt, const AttentionArgs& a, const Params& p, void* dq, void* dk, void* dv,
+                            const void* dout, const void* q, const void* k, const void* v, const float* lse,
+                            const float* delta, cudaStream_t stream);
 
 }  // namespace quilt::kernels::cuda

@@ -1,5 +1,6 @@
-// The FlashAttention-2 style forward for bf16/f16 (see attention.h; opt-in through
-// set_attention_kernel or QUILT_CUDA_ATTENTION=mma, the WMMA kernel in attention.cu otherwise).
+// The FlashAttention-2 style forward for bf16/f16 (see attention.h; the default, the WMMA kernel
+// in attention.cu with set_attention_kernel or QUILT_CUDA_ATTENTION=wmma). Its products, ldmatrix
+// addressing, cp.async loads and mask are attention_mma.cuh's, shared with the backward.
 //
 // A CTA is 8 warps over 128 queries; warp w owns query rows [16w, 16w + 16). Keys come in
 // blocks of 32, K and V double-buffered in shared memory by cp.async (block i + 1 loads while
@@ -19,16 +20,13 @@
 // in 8 distinct 16-byte bank groups. Shared memory a CTA: Q (128, D) + 2 stages of K and V
 // (32, D), rows of D + 8 elements: 68 KiB at D 128, 36 KiB at D 64. Registers a thread
 // (ptxas, sm_90a, CUDA 13, capped at 128 by __launch_bounds__(256, 2): two CTAs, 16 warps an
-// SM): D 128: 128; D 64: 116, 126 with documents or positions; 0 bytes spilled in every one.
+// SM): D 128: 128; D 64: 115, 125 with documents or positions; 0 bytes spilled in every one.
 // Q's fragments are reloaded from shared memory every key block rather than held in
 // registers, which keeps O and S within that cap.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/attention_mma.cuh"
 
 namespace quilt::kernels::cuda {
 namespace {
@@ -40,149 +38,15 @@ constexpr int kRows = 128;           // queries a CTA
 constexpr int kKeys = 32;
 constexpr int kWarps = kRows / 16;   // warp w owns query rows [16w, 16w + 16)
 constexpr int kThreads = 32 * kWarps;
-constexpr int kPad = 8;              // elements of padding a shared row (16 bytes)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Shared memory of the kernel in bytes: Q, then K stages 0 and 1, then V stages 0 and 1.
 template <int kD>
 struct Layout {
-  static constexpr int ld = kD + kPad;  // row stride in elements
+  static constexpr int ld = kD + kMmaPad;  // row stride in elements
   static constexpr int q = kRows * ld * 2;
   static constexpr int kv = kKeys * ld * 2;  // one stage of K or of V
   static constexpr int total = q + 4 * kv;
 };
-
-// The 16-bit element type's mma and its packing of two floats into one register.
-template <class T>
-struct Elem;
-template <>
-struct Elem<BFloat16> {
-  // lo in the low half: the element of the lower column index, as mma reads a register.
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  // c (16x8, f32) += a (16x16, row) b (16x8, col)
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <>
-struct Elem<Half> {
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-// Four 8x8 16-bit pieces from shared memory; lanes 8i..8i+7 give the row addresses of piece i,
-// and r[i] of lane t holds row t/4, columns 2(t%4), 2(t%4) + 1 of piece i (.trans: column t/4,
-// rows 2(t%4), 2(t%4) + 1). The memory clobber keeps them after the barriers that publish the
-// tiles and before the stores that reuse them.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-
-// 16 bytes global -> shared without a register stop; valid false writes 16 zero bytes (and
-// reads nothing from src, which must still be a mapped address).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most n of this thread's committed groups are still in flight.
-template <int n>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {  // 2^x; 2^-inf = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Rows [0, n) of a (rows, kD) matrix at src into `rows` rows of shared memory at dst (row
-// stride Layout::ld); the rest are zero (a zero V row times a zero probability stays 0).
-template <int kD, int kTileRows, class T>
-__device__ __forceinline__ void load_async(uint32_t dst, const T* __restrict__ src, int n) {
-  constexpr int chunks = kD / 8;  // 16-byte pieces a row
-  static_assert(kTileRows * chunks % kThreads == 0, "every thread moves the same number of pieces");
-#pragma unroll
-  for (int it = 0; it < kTileRows * chunks / kThreads; ++it) {
-    const int i = int(threadIdx.x) + it * kThreads;
-    const int r = i / chunks, c = (i % chunks) * 8;
-    const bool ok = r < n;
-    cp_async16(dst + uint32_t((r * Layout<kD>::ld + c) * 2), src + (ok ? int64_t(r) * kD + c : 0), ok);
-  }
-}
-
-// The next key block at or after k0 (a multiple of kKeys) that the documents or positions do
-// not hide entirely from queries [q0, q0 + nq); k_end when none. The same for every warp.
-__device__ __forceinline__ int64_t next_open(const Params& p, int64_t b, int64_t q0, int nq, int64_t k0,
-                                             int64_t k_end) {
-  if (p.q_doc || p.by_pos())
-    while (k0 < k_end && !tile_open(p, b, q0, nq, k0, int(imin(kKeys, p.s - k0)))) k0 += kKeys;
-  return k0;
-}
-
-// S of one warp (16 rows x kKeys keys as accumulator tiles of 16x8) to -inf where query
-// qi0 + lane/4 (+ 8: row i = 1) may not see key k0 + 8 nt + 2 (lane%4) (+ 1: column j = 1).
-// qd, qp: the lane's two rows' document and position. Local 32-bit key indices keep the
-// registers this takes few: it runs inside the loop that holds S and O.
-template <bool kDocPos>
-__device__ __forceinline__ void mask_scores(float (&s)[kKeys / 8][4], const Params& p, int64_t b, int64_t qi0, int64_t k0,
-                                            const int (&qd)[2], const int (&qp)[2]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c0 = 2 * (lane & 3);
-  const int nk = int(imin(kKeys, p.s - k0));
-  int last[2];  // the last local key row i sees by index and by the end of the keys
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    last[i] = nk - 1;
-    if (p.by_index()) {
-      const int64_t e = qi0 + g + 8 * i + p.offset - k0;  // causal: key k0 + c seen iff c <= e
-      last[i] = e < last[i] ? (e < -1 ? -1 : int(e)) : last[i];
-    }
-  }
-  const int32_t* kpos = kDocPos && p.by_pos() ? p.k_pos + b * p.s + k0 : nullptr;
-  const int32_t* kdoc = kDocPos && p.q_doc ? p.k_doc + b * p.s + k0 : nullptr;
-#pragma unroll
-  for (int nt = 0; nt < kKeys / 8; ++nt) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int c = 8 * nt + c0 + j;
-      int kp = 0, kd = 0;
-      if (kDocPos && c < nk) {
-        if (kpos) kp = __ldg(kpos + c);
-        if (kdoc) kd = __ldg(kdoc + c);
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const bool ok = c <= last[i] && (!kpos || kp <= qp[i]) && (!kdoc || kd == qd[i]);
-        if (!ok) s[nt][2 * i + j] = -INFINITY;
-      }
-    }
-  }
-}
 
 // kDocPos: the call has documents or causal positions (a separate instance: their per-key
 // loads cost registers the plain causal and dense calls should not pay for).
@@ -212,13 +76,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int g = lane >> 2, tq = lane & 3;  // accumulator rows g, g + 8; columns 2 tq, 2 tq + 1
 
   const int64_t k_end = causal_end(p, q0, nq);
-  int64_t kb = kDocPos ? next_open(p, b, q0, nq, 0, k_end) : 0;
-  load_async<kD, kRows>(sq, q + qrow * kD, nq);
+  int64_t kb = kDocPos ? next_open<kKeys>(p, b, q0, nq, 0, k_end) : 0;
+  load_async<kD, kRows, kThreads>(sq, q + qrow * kD, nq);
   cp_async_commit();
   if (kb < k_end) {
     const int nk = int(imin(kKeys, p.s - kb));
-    load_async<kD, kKeys>(sk, k + (krow + kb) * kD, nk);
-    load_async<kD, kKeys>(sv, v + (krow + kb) * kD, nk);
+    load_async<kD, kKeys, kThreads>(sk, k + (krow + kb) * kD, nk);
+    load_async<kD, kKeys, kThreads>(sv, v + (krow + kb) * kD, nk);
   }
   cp_async_commit();
 
@@ -240,23 +104,19 @@ __global__ void __launch_bounds__(kThreads, 2)
   float l[2] = {0.f, 0.f};              // this lane's part of the rows' sum of 2^(x - m)
   const float scale2 = p.scale * kLog2e;
 
-  // ldmatrix row addresses of this lane (see ldmatrix_x4): Q as the A operand (rows lane%16,
-  // column 8 (lane/16) of a 16x16 piece), K as the B operand of S = Q Kᵀ (keys lane%8 +
-  // 8 (lane/16), column 8 ((lane/8)%2): the b0 b1 of two adjacent 8-key tiles), V as the B
-  // operand of O = P V through .trans (keys lane%16, column 8 (lane/16): b0 b1 of two adjacent
-  // 8-column tiles).
-  const uint32_t qa = sq + uint32_t(((row0 + (lane & 15)) * L::ld + 8 * (lane >> 4)) * 2);
-  const uint32_t ka = uint32_t((((lane & 7) + 8 * (lane >> 4)) * L::ld + 8 * ((lane >> 3) & 1)) * 2);
-  const uint32_t va = uint32_t(((lane & 15) * L::ld + 8 * (lane >> 4)) * 2);
+  // ldmatrix row addresses of this lane (attention_mma.cuh): Q as the A operand, K as the B
+  // operand of S = Q Kᵀ, V (through .trans) as the B operand of O = P V.
+  const uint32_t qa = sq + uint32_t(row0 * L::ld * 2) + a_lane(L::ld);
+  const uint32_t ka = bt_lane(L::ld), va = a_lane(L::ld);
 
   int stage = 0;
 #pragma unroll 1
   while (kb < k_end) {
-    const int64_t kn = kDocPos ? next_open(p, b, q0, nq, kb + kKeys, k_end) : kb + kKeys;
+    const int64_t kn = kDocPos ? next_open<kKeys>(p, b, q0, nq, kb + kKeys, k_end) : kb + kKeys;
     if (kn < k_end) {  // into the other stage, read last in the previous iteration (synced below)
       const int nk = int(imin(kKeys, p.s - kn));
-      load_async<kD, kKeys>(sk + (stage ^ 1) * L::kv, k + (krow + kn) * kD, nk);
-      load_async<kD, kKeys>(sv + (stage ^ 1) * L::kv, v + (krow + kn) * kD, nk);
+      load_async<kD, kKeys, kThreads>(sk + (stage ^ 1) * L::kv, k + (krow + kn) * kD, nk);
+      load_async<kD, kKeys, kThreads>(sv + (stage ^ 1) * L::kv, v + (krow + kn) * kD, nk);
     }
     cp_async_commit();  // possibly empty: one group an iteration keeps the count below right
     cp_async_wait<1>(); // all but the group just committed: Q and block kb are in
@@ -269,25 +129,14 @@ __global__ void __launch_bounds__(kThreads, 2)
       float s[kNt][4];
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4(a, qa + kk * 32);
-#pragma unroll
-        for (int np = 0; np < kNt / 2; ++np) {
-          uint32_t bk[4];
-          ldmatrix_x4(bk, ks + uint32_t((np * 16 * L::ld + kk * 16) * 2));
-          E::mma(s[2 * np], a, bk[0], bk[1]);
-          E::mma(s[2 * np + 1], a, bk[2], bk[3]);
-        }
-      }
+      mma_abt<E, kD, kKeys>(s, qa, ks, L::ld);
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] *= scale2;  // before the mask: scale may be negative
       const bool ragged = kb + kKeys > p.s;
       const bool diagonal = p.by_index() && kb + kKeys - 1 > qi0 + p.offset;
-      if (kDocPos || ragged || diagonal) mask_scores<kDocPos>(s, p, b, qi0, kb, qd, qp);
+      if (kDocPos || ragged || diagonal) mask_scores<kDocPos, false, kKeys>(s, p, b, qi0, kb, qd, qp);
 
       // Online softmax of rows g (i = 0) and g + 8 (i = 1): new max over the row's 4 lanes,
       // rescale of what was summed so far, probabilities.
@@ -321,21 +170,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         o[j][3] *= alpha[1];
       }
 
-      // O += P V, 16 keys a step: the accumulators of key tiles 2kk and 2kk + 1 are the A
-      // fragment (a0: row g keys 2tq.., a1: row g + 8, a2 and a3: the same 8 keys on).
-#pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) {
-        const uint32_t a[4] = {E::pack(s[2 * kk][0], s[2 * kk][1]), E::pack(s[2 * kk][2], s[2 * kk][3]),
-                               E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-        for (int np = 0; np < kD / 16; ++np) {
-          uint32_t bv[4];
-          ldmatrix_x4_trans(bv, vs + uint32_t((kk * 16 * L::ld + np * 16) * 2));
-          E::mma(o[2 * np], a, bv[0], bv[1]);
-          E::mma(o[2 * np + 1], a, bv[2], bv[3]);
-        }
-      }
+      mma_pv<E, kKeys, kD>(o, s, vs, L::ld);  // O += P V, P straight from S's registers
     }
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
     stage ^= 1;

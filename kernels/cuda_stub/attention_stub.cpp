@@ -15,9 +15,12 @@ namespace {
 // The choice is kept (nothing runs it) so that code setting it builds and behaves alike.
 namespace {
 AttentionKernel g_kernel = AttentionKernel::mma;
+AttentionKernel g_backward = AttentionKernel::wmma;
 }  // namespace
 AttentionKernel attention_kernel() { return g_kernel; }
 void set_attention_kernel(AttentionKernel k) { g_kernel = k; }
+AttentionKernel attention_backward_kernel() { return g_backward; }
+void set_attention_backward_kernel(AttentionKernel k) { g_backward = k; }
 
 bool attention_supported(DType, int64_t, int64_t) { return false; }
 void attention_forward(DType, const AttentionArgs&, void*, void*, const void*, const void*, const void*, void*) {

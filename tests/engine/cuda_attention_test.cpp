@@ -2,7 +2,9 @@
 // against the CPU op (itself checked against a float64 reference in attention_test.cpp): output,
 // log-sum-exp and the three gradients, causal or not, S != T, GQA, ragged tiles, documents and
 // causal-by-position; the lse once more against a float64 reference computed here. Each case
-// runs with both forward kernels (WMMA and mma.sync, chosen through set_attention_kernel).
+// runs with both kernel choices (WMMA and mma.sync, chosen for the forward through
+// set_attention_kernel and for the backward through set_attention_backward_kernel), and the
+// backward once more for bit-identical gradients run twice (no atomics).
 // Without a usable device every case prints why and returns.
 #include <doctest/doctest.h>
 
@@ -26,11 +28,18 @@ constexpr AttentionKernel kKernels[] = {AttentionKernel::wmma, AttentionKernel::
 
 const char* kernel_name(AttentionKernel k) { return k == AttentionKernel::mma ? "mma" : "wmma"; }
 
-// Runs the forward kernel `k` until the end of the scope, then the one chosen before.
+// Runs the forward and backward kernels `k` until the end of the scope, then the ones chosen before.
 struct UseKernel {
   AttentionKernel before = kernels::cuda::attention_kernel();
-  explicit UseKernel(AttentionKernel k) { kernels::cuda::set_attention_kernel(k); }
-  ~UseKernel() { kernels::cuda::set_attention_kernel(before); }
+  AttentionKernel before_backward = kernels::cuda::attention_backward_kernel();
+  explicit UseKernel(AttentionKernel k) {
+    kernels::cuda::set_attention_kernel(k);
+    kernels::cuda::set_attention_backward_kernel(k);
+  }
+  ~UseKernel() {
+    kernels::cuda::set_attention_kernel(before);
+    kernels::cuda::set_attention_backward_kernel(before_backward);
+  }
   UseKernel(const UseKernel&) = delete;
   UseKernel& operator=(const UseKernel&) = delete;
 };
@@ -81,7 +90,8 @@ AttentionOptions options_for(const Case& c, bool on_gpu) {
   return o;
 }
 
-// Forward and backward of one case on the GPU, with forward kernel `kern`, against the CPU op.
+// Forward and backward of one case on the GPU, with forward and backward kernels `kern`, against
+// the CPU op.
 void check_case(const Case& c, DType dt, AttentionKernel kern) {
   const UseKernel use(kern);
   const std::string what = c.name + " " + dtype_name(dt) + " " + kernel_name(kern);
@@ -208,13 +218,35 @@ TEST_CASE("cuda: attention fused and composite agree on the GPU, bf16 causal D 1
   }
 }
 
+TEST_CASE("cuda: attention backward gives bit-identical gradients run twice, with either kernel choice") {
+  SKIP_WITHOUT_CUDA();
+  for (AttentionKernel kern : kKernels) {
+    const UseKernel use(kern);
+    const Tensor q = gpu(randn({2, 8, 300, 64}, RngKey(16, "q"), {.dtype = DType::bf16}));
+    const Tensor k = gpu(randn({2, 2, 300, 64}, RngKey(16, "k"), {.dtype = DType::bf16}));
+    const Tensor v = gpu(randn({2, 2, 300, 64}, RngKey(16, "v"), {.dtype = DType::bf16}));
+    const Tensor go = gpu(randn({2, 8, 300, 64}, RngKey(16, "go"), {.dtype = DType::bf16}));
+    std::vector<std::vector<double>> runs[2];
+    for (auto& run : runs) {
+      Tensor qg = q.detach(), kg = k.detach(), vg = v.detach();
+      for (Tensor* t : {&qg, &kg, &vg}) t->set_requires_grad(true);
+      (scaled_dot_product_attention(qg, kg, vg, {.causal = true}).out * go).sum().backward();
+      run = {qg.grad().to_vector(), kg.grad().to_vector(), vg.grad().to_vector()};
+    }
+    for (int i = 0; i < 3; ++i) CHECK_MESSAGE(runs[0][i] == runs[1][i], kernel_name(kern), " gradient ", i);
+  }
+}
+
 TEST_CASE("cuda: attention kernel choice is kept until changed, and f32 falls back to WMMA") {
   const AttentionKernel before = kernels::cuda::attention_kernel();
+  const AttentionKernel before_backward = kernels::cuda::attention_backward_kernel();
   for (AttentionKernel k : {AttentionKernel::wmma, AttentionKernel::mma}) {
     const UseKernel use(k);
     CHECK(kernels::cuda::attention_kernel() == k);
+    CHECK(kernels::cuda::attention_backward_kernel() == k);
   }
   CHECK(kernels::cuda::attention_kernel() == before);
+  CHECK(kernels::cuda::attention_backward_kernel() == before_backward);
   SKIP_WITHOUT_CUDA();
   const UseKernel use(AttentionKernel::mma);
   const Tensor q = randn({1, 2, 70, 64}, RngKey(15, "q"));
