@@ -79,6 +79,14 @@ class PipelineRunner {
     DeferredBackward rest;  // after I, what W computes
     Work pending;           // a receive not yet waited on (into input or grad_output)
     std::vector<Work> sends;
+    // A receive's shape header, posted at its RECV action without waiting; once it has come
+    // (seen between actions, or waited for where the tensor is needed) the tensor's own
+    // receive is posted into `pending`.
+    Tensor header;
+    Work header_pending;
+    bool header_open = false;
+    bool header_for_grad = false;
+    int recv_peer = -1, recv_tag = 0;
   };
   StageRef& stage(int s);
   Slot& slot(int s, int m) { return slots_[{s, m}]; }
@@ -86,6 +94,10 @@ class PipelineRunner {
   void backward(const Action& a);
   void send(const Action& a);
   void recv(const Action& a, const std::vector<MicroBatch>& mbs);
+  void post_tensor_recv(Slot& sl);           // after the header: the tensor's receive
+  void advance_recvs();                      // posts the tensors of headers that have come
+  void wait_received(Slot& sl);              // the slot's received tensor, waited for
+  std::vector<std::pair<int, int>> open_headers_;  // (stage, micro-batch) of open headers
   int tag(const Action& a, bool header) const;
 
   double walk(const std::vector<MicroBatch>& mbs, bool backward, bool sync);
