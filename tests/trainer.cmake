@@ -184,6 +184,12 @@ foreach(schedule gpipe 1f1b interleaved1f1b dfs looped_bfs zero_bubble v_schedul
   quilt_trainer_test("pp 2 ${schedule} follows the one-rank loss curve" equivalence pp2${schedule} 2
     --set distributed.pp_size=2 --set distributed.pipeline.pp_schedule=${schedule} --set train.micro_batch_size=4)
 endforeach()
+# Sends posted and left (QUILT_PP_SEND_THREADS=0) instead of each on its own thread.
+quilt_trainer_test("pp 2 zero_bubble with sends left to MPI's progress follows the one-rank loss curve" equivalence
+  pp2nothreads 2 --set distributed.pp_size=2 --set distributed.pipeline.pp_schedule=zero_bubble
+  --set train.micro_batch_size=4)
+set_tests_properties("trainer: pp 2 zero_bubble with sends left to MPI's progress follows the one-rank loss curve"
+  PROPERTIES ENVIRONMENT "OMP_NUM_THREADS=1;QUILT_COMM_TIMEOUT_S=120;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;QUILT_PP_SEND_THREADS=0")
 quilt_trainer_test("pp 2 1f1b scaling gradients in the schedule follows the one-rank loss curve" equivalence pp2scale 2
   --set distributed.pp_size=2 --set train.micro_batch_size=4 --set distributed.pipeline.scale_grads_in_schedule=true)
 quilt_trainer_test("pp 4 1f1b follows the one-rank loss curve" equivalence_deep pp4 4

@@ -102,6 +102,7 @@ double PipelineRunner::walk(const std::vector<MicroBatch>& mbs, bool with_backwa
   }
   for (auto& [key, sl] : slots_)
     for (Work& w : sl.sends) w.wait();
+  finish_sends();
   slots_.clear();
   return loss_sum_;
 }
@@ -174,7 +175,28 @@ void PipelineRunner::send(const Action& a) {
   for (int64_t d = 0; d < t.dim(); ++d) head[size_t(d + 2)] = double(t.size(d));
   const Tensor header = from_vector(head, {kMaxDims + 2}, {.dtype = DType::i64});
   sl.sends.push_back(comm_->send(header, peer, tag(a, true), true));
-  sl.sends.push_back(comm_->send(t, peer, tag(a, false), true));
+  if (!send_threads_) {
+    sl.sends.push_back(comm_->send(t, peer, tag(a, false), true));
+    return;
+  }
+  senders_.emplace_back([this, comm = comm_, t, peer, tg = tag(a, false)] {
+    try {
+      comm->send(t, peer, tg, true).wait();
+    } catch (...) {
+      std::lock_guard lk(send_mu_);
+      if (!send_error_) send_error_ = std::current_exception();
+    }
+  });
+}
+
+void PipelineRunner::finish_sends() {
+  senders_.clear();  // joins
+  std::exception_ptr e;
+  {
+    std::lock_guard lk(send_mu_);
+    std::swap(e, send_error_);
+  }
+  if (e) std::rethrow_exception(e);
 }
 
 void PipelineRunner::recv(const Action& a, const std::vector<MicroBatch>&) {
