@@ -175,7 +175,9 @@ void PipelineRunner::send(const Action& a) {
   for (int64_t d = 0; d < t.dim(); ++d) head[size_t(d + 2)] = double(t.size(d));
   const Tensor header = from_vector(head, {kMaxDims + 2}, {.dtype = DType::i64});
   sl.sends.push_back(comm_->send(header, peer, tag(a, true), true));
-  if (!send_threads_) {
+  // (MPI only: NCCL queues its sends on a stream, and a communicator is not to be used from
+  // two threads there.)
+  if (!send_threads_ || comm_->backend() != "mpi") {
     sl.sends.push_back(comm_->send(t, peer, tag(a, false), true));
     return;
   }
