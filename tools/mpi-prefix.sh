@@ -5,12 +5,14 @@
 #
 #   source tools/mpi-prefix.sh [PREFIX] [--force]   # PREFIX defaults to /tmp/quilt-mpi
 #
-# Does nothing where an mpiexec is already on PATH, unless --force.
+# Unpacks nothing where an mpiexec is already on PATH, unless --force.
 quilt_mpi_prefix() {
   local debs root=${1:-/tmp/quilt-mpi}
   debs=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.gpu-deps/mpi
+  # Root in a container: Open MPI asks for consent (whichever Open MPI runs).
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   if [ "${2:-}" != --force ] && command -v mpiexec >/dev/null 2>&1; then
-    echo "mpi-prefix: $(command -v mpiexec) is already on PATH: nothing to do"
+    echo "mpi-prefix: $(command -v mpiexec) is already on PATH: nothing to unpack"
     return 0
   fi
   if ! compgen -G "$debs/*.deb" >/dev/null; then
@@ -30,7 +32,6 @@ quilt_mpi_prefix() {
   export PMIX_PREFIX=$lib/pmix2                               # PMIx's (a separate package)
   export PMIX_MCA_mca_base_component_path=$lib/pmix2/lib/pmix
   export HWLOC_PLUGINS_PATH=$root/no-hwloc-plugins            # not the system's, if any
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   echo "mpi-prefix: Open MPI $("$root/usr/bin/ompi_info" --parsable 2>/dev/null | sed -n "s/^ompi:version:full://p" | head -n 1) in $root"
 }
 quilt_mpi_prefix "$@"
