@@ -329,14 +329,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(Params p, T
   float* m_s = cv.take<float>(L::rows);      // each row's running max
   float* l_s = cv.take<float>(L::rows);      // and sum of exp(x - max)
 
-  // Later query blocks see more keys under a causal mask: they get the low block indices.
-  const int64_t nqb = (p.t + kTile - 1) / kTile;
-  const int64_t bh = int64_t(blockIdx.x) % (p.batch * p.hq);
-  const int64_t q0 = (nqb - 1 - int64_t(blockIdx.x) / (p.batch * p.hq)) * kTile;
-  const int64_t b = bh / p.hq, h = bh % p.hq, kvh = h / (p.hq / p.hkv);
-  const int nq = int(imin(kTile, p.t - q0));
-  const int64_t qrow = bh * p.t + q0;            // first row of q, out, lse
-  const int64_t krow = (b * p.hkv + kvh) * p.s;  // first row of k, v
+  const auto [b, h, kvh, q0, nq, qrow, krow] = query_block(p, kTile);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
 
   load_tile<T, kD>(Qs, L::ld, q + qrow * kD, nq, p.vec);
@@ -568,12 +561,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(Params p, T* __r
   G g(cv);
   float* dQs = cv.take<float>(L::otile);
 
-  const int64_t nqb = (p.t + kTile - 1) / kTile;
-  const int64_t bh = int64_t(blockIdx.x) % (p.batch * p.hq);
-  const int64_t q0 = (nqb - 1 - int64_t(blockIdx.x) / (p.batch * p.hq)) * kTile;
-  const int64_t b = bh / p.hq, h = bh % p.hq, kvh = h / (p.hq / p.hkv);
-  const int nq = int(imin(kTile, p.t - q0));
-  const int64_t qrow = bh * p.t + q0, krow = (b * p.hkv + kvh) * p.s;
+  const auto [b, h, kvh, q0, nq, qrow, krow] = query_block(p, kTile);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kWarpRows;
 
   load_tile<T, kD>(g.Qs, L::ld, q + qrow * kD, nq, p.vec);
@@ -715,28 +703,32 @@ void check_args(const AttentionArgs& a, const char* what) {
 std::atomic<int> g_kernel_choice{-1};
 std::atomic<int> g_backward_choice{-1};
 
+// The kernel `var` names ("mma" or "wmma"), else `dflt`.
+AttentionKernel env_kernel(const char* var, AttentionKernel dflt) {
+  const char* e = std::getenv(var);
+  if (e != nullptr && std::string_view(e) == "mma") return AttentionKernel::mma;
+  if (e != nullptr && std::string_view(e) == "wmma") return AttentionKernel::wmma;
+  return dflt;
+}
+
+// A set_*_kernel choice (>= 0) wins over the environment's.
+AttentionKernel chosen_or(const std::atomic<int>& chosen, AttentionKernel from_env) {
+  const int c = chosen.load(std::memory_order_relaxed);
+  return c >= 0 ? AttentionKernel(c) : from_env;
+}
+
 }  // namespace
 
 AttentionKernel attention_kernel() {
-  const int chosen = g_kernel_choice.load(std::memory_order_relaxed);
-  if (chosen >= 0) return AttentionKernel(chosen);
-  static const AttentionKernel from_env = [] {
-    const char* e = std::getenv("QUILT_CUDA_ATTENTION");
-    return e != nullptr && std::string_view(e) == "wmma" ? AttentionKernel::wmma : AttentionKernel::mma;
-  }();
-  return from_env;
+  static const AttentionKernel from_env = env_kernel("QUILT_CUDA_ATTENTION", AttentionKernel::mma);
+  return chosen_or(g_kernel_choice, from_env);
 }
 
 void set_attention_kernel(AttentionKernel k) { g_kernel_choice.store(int(k), std::memory_order_relaxed); }
 
 AttentionKernel attention_backward_kernel() {
-  const int chosen = g_backward_choice.load(std::memory_order_relaxed);
-  if (chosen >= 0) return AttentionKernel(chosen);
-  static const AttentionKernel from_env = [] {
-    const char* e = std::getenv("QUILT_CUDA_ATTENTION_BWD");
-    return e != nullptr && std::string_view(e) == "mma" ? AttentionKernel::mma : AttentionKernel::wmma;
-  }();
-  return from_env;
+  static const AttentionKernel from_env = env_kernel("QUILT_CUDA_ATTENTION_BWD", AttentionKernel::wmma);
+  return chosen_or(g_backward_choice, from_env);
 }
 
 void set_attention_backward_kernel(AttentionKernel k) {

@@ -52,6 +52,29 @@ inline size_t smem_optin() {
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/// The block of `rows` queries of one (batch, head) a thread block owns, from blockIdx.x. Later
+/// query blocks see more keys under a causal mask: they get the low block indices.
+struct QueryBlock {
+  int64_t b, h, kvh;  // batch, query head, its kv head
+  int64_t q0;         // first query of the block
+  int nq;             // queries in the block (fewer in the last)
+  int64_t qrow;       // first row of q (and of out, dout, lse, ...)
+  int64_t krow;       // first row of k and v
+};
+__device__ __forceinline__ QueryBlock query_block(const Params& p, int rows) {
+  const int64_t nqb = (p.t + rows - 1) / rows;
+  const int64_t bh = int64_t(blockIdx.x) % (p.batch * p.hq);
+  QueryBlock qb;
+  qb.q0 = (nqb - 1 - int64_t(blockIdx.x) / (p.batch * p.hq)) * rows;
+  qb.b = bh / p.hq;
+  qb.h = bh % p.hq;
+  qb.kvh = qb.h / (p.hq / p.hkv);
+  qb.nq = int(imin(rows, p.t - qb.q0));
+  qb.qrow = bh * p.t + qb.q0;
+  qb.krow = (qb.b * p.hkv + qb.kvh) * p.s;
+  return qb;
+}
+
 // Min and max of a[0, n) (n >= 1), read by one warp from global memory; every lane gets them.
 __device__ __forceinline__ void warp_minmax(const int32_t* a, int n, int& lo, int& hi) {
   const int lane = threadIdx.x & 31;

@@ -62,14 +62,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t sq = uint32_t(__cvta_generic_to_shared(smem));
   const uint32_t sk = sq + L::q, sv = sk + 2 * L::kv;  // stage s at + s * L::kv
 
-  // Later query blocks see more keys under a causal mask: they get the low block indices.
-  const int64_t nqb = (p.t + kRows - 1) / kRows;
-  const int64_t bh = int64_t(blockIdx.x) % (p.batch * p.hq);
-  const int64_t q0 = (nqb - 1 - int64_t(blockIdx.x) / (p.batch * p.hq)) * kRows;
-  const int64_t b = bh / p.hq, h = bh % p.hq, kvh = h / (p.hq / p.hkv);
-  const int nq = int(imin(kRows, p.t - q0));
-  const int64_t qrow = bh * p.t + q0;            // first row of q, out, lse
-  const int64_t krow = (b * p.hkv + kvh) * p.s;  // first row of k, v
+  const auto [b, h, kvh, q0, nq, qrow, krow] = query_block(p, kRows);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = 16 * warp;        // this warp's first query row in the block
   const int64_t qi0 = q0 + row0;     // and in the sequence
@@ -88,14 +81,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // This lane's two query rows' document and position (masking only).
   int qd[2] = {0, 0}, qp[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int64_t qi = qi0 + g + 8 * i;
-    if (kDocPos && qi < p.t) {
-      if (p.q_doc) qd[i] = p.q_doc[b * p.t + qi];
-      if (p.by_pos()) qp[i] = p.q_pos[b * p.t + qi];
-    }
-  }
+  lane_doc_pos<kDocPos>(p, false, b, qi0, g, qd, qp);
 
   float o[kDt][4];
 #pragma unroll

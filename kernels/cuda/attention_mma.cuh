@@ -231,4 +231,23 @@ __device__ __forceinline__ int64_t next_open(const Params& p, int64_t b, int64_t
   return k0;
 }
 
+/// The document ids and positions (those the call has) of this lane's two rows, i0 + g and
+/// i0 + g + 8, of a (B, n) table pair: queries (q_doc, q_pos, T) or keys (k_doc, k_pos, S). Rows
+/// past n, and calls without documents or positions, keep 0.
+template <bool kDocPos>
+__device__ __forceinline__ void lane_doc_pos(const Params& p, bool keys, int64_t b, int64_t i0, int g, int (&doc)[2],
+                                             int (&pos)[2]) {
+  const int64_t n = keys ? p.s : p.t;
+  const int32_t* docs = keys ? p.k_doc : p.q_doc;
+  const int32_t* poss = keys ? p.k_pos : p.q_pos;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t r = i0 + g + 8 * i;
+    if (kDocPos && r < n) {
+      if (docs) doc[i] = docs[b * n + r];
+      if (p.by_pos()) pos[i] = poss[b * n + r];
+    }
+  }
+}
+
 }  // namespace quilt::kernels::cuda

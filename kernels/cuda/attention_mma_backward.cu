@@ -169,14 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // This lane's two keys' document and position (masking only).
   int kd[2] = {0, 0}, kp[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int64_t ki = ki0 + g + 8 * i;
-    if (kDocPos && ki < p.s) {
-      if (p.q_doc) kd[i] = p.k_doc[b * p.s + ki];
-      if (p.by_pos()) kp[i] = p.k_pos[b * p.s + ki];
-    }
-  }
+  lane_doc_pos<kDocPos>(p, true, b, ki0, g, kd, kp);
 
   float dka[kDt][4], dva[kDt][4];
   zero(dka);
@@ -281,14 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sq = uint32_t(__cvta_generic_to_shared(smem));
   const uint32_t sdo = sq + L::q, sk = sdo + L::q, sv = sk + 2 * L::kv;  // stage s at + s * L::kv
 
-  // Later query blocks see more keys under a causal mask: they get the low block indices.
-  const int64_t nqb = (p.t + kQRows - 1) / kQRows;
-  const int64_t bh = int64_t(blockIdx.x) % (p.batch * p.hq);
-  const int64_t q0 = (nqb - 1 - int64_t(blockIdx.x) / (p.batch * p.hq)) * kQRows;
-  const int64_t b = bh / p.hq, h = bh % p.hq, kvh = h / (p.hq / p.hkv);
-  const int nq = int(imin(kQRows, p.t - q0));
-  const int64_t qrow = bh * p.t + q0;            // first row of q, dout, dq, lse, delta
-  const int64_t krow = (b * p.hkv + kvh) * p.s;  // first row of k, v
+  const auto [b, h, kvh, q0, nq, qrow, krow] = query_block(p, kQRows);  // q, dout, dq, lse, delta rows
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = 16 * warp;
   const int64_t qi0 = q0 + row0;

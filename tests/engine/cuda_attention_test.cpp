@@ -121,6 +121,17 @@ void check_case(const Case& c, DType dt, AttentionKernel kern) {
   check_scaled(vg.grad(), vc.grad(), rt, frac, what + " dv");
 }
 
+// A causal f32 call of (1, 2, t, d) from `seed` on the GPU against the CPU op.
+void check_f32_causal(int64_t t, int64_t d, uint64_t seed, double lse_rtol, const std::string& what) {
+  const Tensor q = randn({1, 2, t, d}, RngKey(seed, "q"));
+  const Tensor k = randn({1, 2, t, d}, RngKey(seed, "k"));
+  const Tensor v = randn({1, 2, t, d}, RngKey(seed, "v"));
+  const AttentionOutput rc = scaled_dot_product_attention(q, k, v, {.causal = true});
+  const AttentionOutput rg = scaled_dot_product_attention(gpu(q), gpu(k), gpu(v), {.causal = true});
+  check_close(rg.out, rc.out, 1e-4, 1e-5, what + " out");
+  check_close(rg.lse, rc.lse, lse_rtol, 1e-5, what + " lse");
+}
+
 }  // namespace
 
 TEST_CASE("cuda: attention forward and backward match the CPU: causal or not, GQA, ragged tiles, D = 64 and 128") {
@@ -194,13 +205,7 @@ TEST_CASE("cuda: attention head dims the kernels do not take run the composite")
   CHECK_FALSE(kernels::cuda::attention_supported(DType::bf16, 32, 32));
   CHECK_FALSE(kernels::cuda::attention_supported(DType::f64, 64, 64));
   CHECK_FALSE(kernels::cuda::attention_supported(DType::f32, 64, 128));
-  const Tensor q = randn({1, 2, 20, 32}, RngKey(13, "q"));
-  const Tensor k = randn({1, 2, 20, 32}, RngKey(13, "k"));
-  const Tensor v = randn({1, 2, 20, 32}, RngKey(13, "v"));
-  const AttentionOutput rc = scaled_dot_product_attention(q, k, v, {.causal = true});
-  const AttentionOutput rg = scaled_dot_product_attention(gpu(q), gpu(k), gpu(v), {.causal = true});
-  check_close(rg.out, rc.out, 1e-4, 1e-5, "composite out");
-  check_close(rg.lse, rc.lse, 1e-4, 1e-5, "composite lse");
+  check_f32_causal(20, 32, 13, 1e-4, "composite");
 }
 
 TEST_CASE("cuda: attention fused and composite agree on the GPU, bf16 causal D 128") {
@@ -249,11 +254,5 @@ TEST_CASE("cuda: attention kernel choice is kept until changed, and f32 falls ba
   CHECK(kernels::cuda::attention_backward_kernel() == before_backward);
   SKIP_WITHOUT_CUDA();
   const UseKernel use(AttentionKernel::mma);
-  const Tensor q = randn({1, 2, 70, 64}, RngKey(15, "q"));
-  const Tensor k = randn({1, 2, 70, 64}, RngKey(15, "k"));
-  const Tensor v = randn({1, 2, 70, 64}, RngKey(15, "v"));
-  const AttentionOutput rc = scaled_dot_product_attention(q, k, v, {.causal = true});
-  const AttentionOutput rg = scaled_dot_product_attention(gpu(q), gpu(k), gpu(v), {.causal = true});
-  check_close(rg.out, rc.out, 1e-4, 1e-5, "f32 under mma out");
-  check_close(rg.lse, rc.lse, 1e-5, 1e-5, "f32 under mma lse");
+  check_f32_causal(70, 64, 15, 1e-5, "f32 under mma");
 }
