@@ -34,11 +34,11 @@ void ensure_dtensor_dispatch();
 
 /// A primitive of dtensor/ itself (redistribute, from_local, ...): the dispatcher runs its
 /// dist_forward directly instead of looking for a sharding rule.
-class DistPrimitive : public Primitive {
+class DistPrimitive : public AnyDevicePrimitive {
  public:
   /// Computes the outputs from (possibly distributed) inputs; no graph recording.
   virtual std::vector<Tensor> dist_forward(const std::vector<Tensor>& inputs) = 0;
-  std::vector<Tensor> forward(const std::vector<Tensor>& inputs) override { return dist_forward(inputs); }
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& inputs) final { return dist_forward(inputs); }
 };
 
 /// A distributed handler: computes op `p` on `inputs` (at least one distributed, all on one mesh)

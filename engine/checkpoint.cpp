@@ -48,12 +48,12 @@ struct KeepScope {
 // A linear whose output is already known (kept by the first forward). Composite: its forward
 // returns the kept tensor whatever the layout, and its backward — the gradients of x @ w^T +
 // bias — runs ops, so distributed inputs route through the dispatcher there.
-class KeptLinear final : public Primitive {
+class KeptLinear final : public AnyDevicePrimitive {
  public:
   explicit KeptLinear(Tensor out) : out_(std::move(out)) {}
   const char* name() const override { return "kept_linear"; }
   bool composite() const override { return true; }
-  std::vector<Tensor> forward(const std::vector<Tensor>&) override { return {out_.detach()}; }
+  std::vector<Tensor> forward_any(const std::vector<Tensor>&) override { return {out_.detach()}; }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
     saved_ = {in[0].detach(), in[1].detach()};
     out_ = Tensor();
@@ -79,15 +79,17 @@ class KeptLinear final : public Primitive {
   Tensor out_;
 };
 
-class Checkpoint final : public Primitive {
+class Checkpoint final : public AnyDevicePrimitive {
  public:
   // `anchored`: the last input is a placeholder leaf that only makes the node exist.
   Checkpoint(CheckpointFn fn, Generator* gen, bool anchored, CheckpointMode mode)
       : fn_(std::move(fn)), gen_(gen), anchored_(anchored), selective_(mode == CheckpointMode::save_matmuls) {}
   const char* name() const override { return "checkpoint"; }
   bool composite() const override { return true; }
+  // The anchor leaf lives on the CPU whatever the user's inputs are on.
+  Device device_of(const std::vector<Tensor>& in) const override { return common_device(name(), user_inputs(in)); }
 
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     counter_ = gen_->counter();
     NoGradGuard ng;
     SelectiveScope scope(Selective::Phase::record, &kept_, selective_);

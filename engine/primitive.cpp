@@ -77,7 +77,21 @@ class PrimitiveNode final : public Node {
   std::string name_;
 };
 
+[[noreturn]] void fail_no_cuda(const char* op) { fail("[", op, "] has no CUDA implementation in this build"); }
+
 }  // namespace
+
+std::vector<Tensor> Primitive::forward(const std::vector<Tensor>& inputs) {
+  return forward_on(device_of(inputs), inputs);
+}
+
+std::vector<Tensor> Primitive::forward_on(Device device, const std::vector<Tensor>& inputs) {
+  return device.is_cuda() ? forward_cuda(inputs) : forward_cpu(inputs);
+}
+
+Device Primitive::device_of(const std::vector<Tensor>& inputs) const { return common_device(name(), inputs); }
+
+std::vector<Tensor> Primitive::forward_cuda(const std::vector<Tensor>&) { fail_no_cuda(name()); }
 
 std::vector<Tensor> Primitive::backward(const BackwardContext&) {
   fail("[", name(), "] is not differentiable");
@@ -155,7 +169,7 @@ Tensor apply1(std::shared_ptr<Primitive> p, const std::vector<Tensor>& inputs) {
 
 void require_cpu(const char* op, const std::vector<Tensor>& inputs) {
   for (const Tensor& t : inputs)
-    if (t.defined() && t.device().is_cuda()) fail("[", op, "] has no CUDA implementation in this build");
+    if (t.defined() && t.device().is_cuda()) fail_no_cuda(op);
 }
 
 Device common_device(const char* op, const std::vector<Tensor>& inputs) {

@@ -61,7 +61,7 @@ class CpAllGather final : public Primitive {
  public:
   explicit CpAllGather(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
   const char* name() const override { return "context_parallel_all_gather"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor x = contiguous(in[0]);
     Shape shape = x.shape();
     shape.insert(shape.begin(), comm_->size());
@@ -219,7 +219,7 @@ class RingAttention final : public Primitive {
   explicit RingAttention(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
   const char* name() const override { return "context_parallel_ring_attention"; }
 
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     dt_ = in[0].dtype();
     cd_ = kernels::cpu::stat_dtype(dt_);  // f32, f64 for f64: the kernels' compute and merge type
     q_ = widen(contiguous(in[0].detach()));

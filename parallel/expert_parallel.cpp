@@ -18,12 +18,12 @@ std::atomic<int64_t> g_dispatches{0}, g_sent{0}, g_received{0};
 
 int64_t total(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
 
-class AllToAllRows final : public Primitive {
+class AllToAllRows final : public AnyDevicePrimitive {
  public:
   AllToAllRows(std::shared_ptr<Communicator> comm, std::vector<int64_t> in, std::vector<int64_t> out)
       : comm_(std::move(comm)), in_(std::move(in)), out_(std::move(out)) {}
   const char* name() const override { return "all_to_all_rows"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& inputs) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& inputs) override {
     const Tensor x = inputs[0].contiguous();
     Shape shape = x.shape();
     shape[0] = total(out_);

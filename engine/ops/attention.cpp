@@ -215,26 +215,43 @@ class SdpaBackward final : public Primitive {
   explicit SdpaBackward(Config cfg) : cfg_(cfg) {}
   const char* name() const override { return "scaled_dot_product_attention_backward"; }
   Attrs attrs() const override { return cfg_.attrs(); }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const std::vector<Tensor> x = contiguous_all(in);
-    const Tensor &q = x[2], &k = x[3], &v = x[4];
-    Tensor dq = Tensor::empty(q.shape(), {.dtype = q.dtype(), .device = q.device()});
-    Tensor dk = Tensor::empty(k.shape(), {.dtype = k.dtype(), .device = q.device()});
-    Tensor dv = Tensor::empty(v.shape(), {.dtype = v.dtype(), .device = q.device()});
-    const kernels::cpu::AttentionArgs a = kernel_args(q, k, v, cfg_, x.data() + 7);
-    const void* dlse = x[1].defined() ? x[1].data_ptr() : nullptr;
-    if (q.device().is_cpu())
-      kernels::cpu::attention_backward(q.dtype(), a, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), x[0].data_ptr(),
-                                       dlse, q.data_ptr(), k.data_ptr(), v.data_ptr(), x[5].data_ptr(),
-                                       x[6].data_ptr());
-    else
-      kernels::cuda::attention_backward(q.dtype(), a, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), x[0].data_ptr(),
-                                        dlse, q.data_ptr(), k.data_ptr(), v.data_ptr(), x[5].data_ptr(),
-                                        x[6].data_ptr(), ops::stream_handle(q.device()));
-    return {dq, dk, dv};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    const Tensor &d_out = b.x[0], &q = b.x[2], &k = b.x[3], &v = b.x[4], &out = b.x[5], &lse = b.x[6];
+    kernels::cpu::attention_backward(q.dtype(), b.args, b.dq.data_ptr(), b.dk.data_ptr(), b.dv.data_ptr(),
+                                     d_out.data_ptr(), b.dlse, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                     out.data_ptr(), lse.data_ptr());
+    return {b.dq, b.dk, b.dv};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    const Tensor &d_out = b.x[0], &q = b.x[2], &k = b.x[3], &v = b.x[4], &out = b.x[5], &lse = b.x[6];
+    kernels::cuda::attention_backward(q.dtype(), b.args, b.dq.data_ptr(), b.dk.data_ptr(), b.dv.data_ptr(),
+                                      d_out.data_ptr(), b.dlse, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                      out.data_ptr(), lse.data_ptr(), ops::stream_handle(q.device()));
+    return {b.dq, b.dk, b.dv};
   }
 
  private:
+  // The inputs as the kernels read them (contiguous), their arguments and the gradients they write.
+  struct Buffers {
+    std::vector<Tensor> x;
+    Tensor dq, dk, dv;
+    kernels::cpu::AttentionArgs args;
+    const void* dlse;
+  };
+  Buffers buffers(const std::vector<Tensor>& in) const {
+    Buffers b;
+    b.x = contiguous_all(in);
+    const Tensor &q = b.x[2], &k = b.x[3], &v = b.x[4];
+    b.dq = Tensor::empty(q.shape(), {.dtype = q.dtype(), .device = q.device()});
+    b.dk = Tensor::empty(k.shape(), {.dtype = k.dtype(), .device = q.device()});
+    b.dv = Tensor::empty(v.shape(), {.dtype = v.dtype(), .device = q.device()});
+    b.args = kernel_args(q, k, v, cfg_, b.x.data() + 7);
+    b.dlse = b.x[1].defined() ? b.x[1].data_ptr() : nullptr;
+    return b;
+  }
+
   Config cfg_;
 };
 
@@ -245,19 +262,19 @@ class Sdpa final : public Primitive {
   explicit Sdpa(Config cfg) : cfg_(cfg) {}
   const char* name() const override { return "scaled_dot_product_attention"; }
   Attrs attrs() const override { return cfg_.attrs(); }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const std::vector<Tensor> x = contiguous_all(in);
-    const Tensor &q = x[0], &k = x[1], &v = x[2];
-    Tensor out = Tensor::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, {.dtype = q.dtype(), .device = q.device()});
-    Tensor lse = Tensor::empty({q.size(0), q.size(1), q.size(2)}, {.dtype = stat_dtype(q.dtype()), .device = q.device()});
-    const kernels::cpu::AttentionArgs a = kernel_args(q, k, v, cfg_, x.data() + 3);
-    if (q.device().is_cpu())
-      kernels::cpu::attention_forward(q.dtype(), a, out.data_ptr(), lse.data_ptr(), q.data_ptr(), k.data_ptr(),
-                                      v.data_ptr());
-    else
-      kernels::cuda::attention_forward(q.dtype(), a, out.data_ptr(), lse.data_ptr(), q.data_ptr(), k.data_ptr(),
-                                       v.data_ptr(), ops::stream_handle(q.device()));
-    return {out, lse};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    const Tensor &q = b.x[0], &k = b.x[1], &v = b.x[2];
+    kernels::cpu::attention_forward(q.dtype(), b.args, b.out.data_ptr(), b.lse.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                    v.data_ptr());
+    return {b.out, b.lse};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    const Tensor &q = b.x[0], &k = b.x[1], &v = b.x[2];
+    kernels::cuda::attention_forward(q.dtype(), b.args, b.out.data_ptr(), b.lse.data_ptr(), q.data_ptr(),
+                                     k.data_ptr(), v.data_ptr(), ops::stream_handle(q.device()));
+    return {b.out, b.lse};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
     saved_.clear();
@@ -277,6 +294,22 @@ class Sdpa final : public Primitive {
   }
 
  private:
+  // The inputs as the kernels read them (contiguous), their arguments and the outputs (out, lse).
+  struct Buffers {
+    std::vector<Tensor> x;
+    Tensor out, lse;
+    kernels::cpu::AttentionArgs args;
+  };
+  Buffers buffers(const std::vector<Tensor>& in) const {
+    Buffers b;
+    b.x = contiguous_all(in);
+    const Tensor &q = b.x[0], &k = b.x[1], &v = b.x[2];
+    b.out = Tensor::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, {.dtype = q.dtype(), .device = q.device()});
+    b.lse = Tensor::empty({q.size(0), q.size(1), q.size(2)}, {.dtype = stat_dtype(q.dtype()), .device = q.device()});
+    b.args = kernel_args(q, k, v, cfg_, b.x.data() + 3);
+    return b;
+  }
+
   Config cfg_;
 };
 

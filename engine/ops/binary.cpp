@@ -33,16 +33,15 @@ class Binary final : public Primitive {
   explicit Binary(BinaryOp op) : op_(op) {}
   const char* name() const override { return kernels::op_name(op_); }
 
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor& a = in[0];
-    const Tensor& b = in[1];
-    const Device dev = common_device(name(), in);
-    const Shape shape = broadcast_shapes(a.shape(), b.shape(), name());
-    const DType odt = kernels::is_predicate(op_) ? DType::b8 : a.dtype();
-    Tensor out = Tensor::empty(shape, {.dtype = odt, .device = dev});
-    auto loop = ops::loop_over<3>(shape, {&out, &a, &b});
-    if (dev.is_cpu()) kernels::cpu::binary(op_, a.dtype(), loop);
-    else kernels::cuda::binary(op_, a.dtype(), loop, ops::stream_handle(dev));
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    Tensor out = output_for(in[0], in[1]);
+    kernels::cpu::binary(op_, in[0].dtype(), ops::loop_over<3>(out.shape(), {&out, &in[0], &in[1]}));
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    Tensor out = output_for(in[0], in[1]);
+    kernels::cuda::binary(op_, in[0].dtype(), ops::loop_over<3>(out.shape(), {&out, &in[0], &in[1]}),
+                          ops::stream_handle(out.device()));
     return {out};
   }
 
@@ -99,23 +98,28 @@ class Binary final : public Primitive {
   }
 
  private:
+  // The output at the broadcast shape of a and b (on their device, which forward() checked).
+  Tensor output_for(const Tensor& a, const Tensor& b) const {
+    const Shape shape = broadcast_shapes(a.shape(), b.shape(), name());
+    const DType odt = kernels::is_predicate(op_) ? DType::b8 : a.dtype();
+    return Tensor::empty(shape, {.dtype = odt, .device = a.device()});
+  }
+
   BinaryOp op_;
 };
 
 class Where final : public Primitive {
  public:
   const char* name() const override { return "where"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor& c = in[0];
-    const Tensor& a = in[1];
-    const Tensor& b = in[2];
-    const Device dev = common_device("where", in);
-    QUILT_CHECK(c.dtype() == DType::b8, "[where] condition must be bool, got ", dtype_name(c.dtype()));
-    const Shape shape = broadcast_shapes(broadcast_shapes(c.shape(), a.shape(), "where"), b.shape(), "where");
-    Tensor out = Tensor::empty(shape, {.dtype = a.dtype(), .device = dev});
-    auto loop = ops::loop_over<4>(shape, {&out, &c, &a, &b});
-    if (dev.is_cpu()) kernels::cpu::where(a.dtype(), loop);
-    else kernels::cuda::where(a.dtype(), loop, ops::stream_handle(dev));
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    Tensor out = output_for(in);
+    kernels::cpu::where(out.dtype(), ops::loop_over<4>(out.shape(), {&out, &in[0], &in[1], &in[2]}));
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    Tensor out = output_for(in);
+    kernels::cuda::where(out.dtype(), ops::loop_over<4>(out.shape(), {&out, &in[0], &in[1], &in[2]}),
+                         ops::stream_handle(out.device()));
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[0].detach()}; }
@@ -126,6 +130,15 @@ class Where final : public Primitive {
     if (ctx.needs[1]) ga = sum_to(where(saved_[0], g, z), ctx.inputs[1].shape);
     if (ctx.needs[2]) gb = sum_to(where(saved_[0], z, g), ctx.inputs[2].shape);
     return {Tensor(), ga, gb};
+  }
+
+ private:
+  // Checks the condition and allocates the output at the shape (c, a, b) broadcast to.
+  static Tensor output_for(const std::vector<Tensor>& in) {
+    const Tensor &c = in[0], &a = in[1], &b = in[2];
+    QUILT_CHECK(c.dtype() == DType::b8, "[where] condition must be bool, got ", dtype_name(c.dtype()));
+    const Shape shape = broadcast_shapes(broadcast_shapes(c.shape(), a.shape(), "where"), b.shape(), "where");
+    return Tensor::empty(shape, {.dtype = a.dtype(), .device = a.device()});
   }
 };
 

@@ -55,11 +55,11 @@ Tensor scalar_tensor(double value, TensorOptions opts) { return full({}, value, 
 namespace {
 // full_like as an op, so a distributed input gets a distributed result (the sharding rule
 // keeps the input's layout); plain inputs skip the op machinery.
-class FullLike final : public Primitive {
+class FullLike final : public AnyDevicePrimitive {
  public:
   explicit FullLike(double v) : value_(v) {}
   const char* name() const override { return "full_like"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     return {full(in[0].shape(), value_, {.dtype = in[0].dtype(), .device = in[0].device()})};
   }
   bool differentiable_output(size_t, const Tensor&) const override { return false; }

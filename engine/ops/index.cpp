@@ -42,7 +42,6 @@ void check_index_dtype(const char* op, const Tensor& index) {
 // Throws naming the op, the first offending extreme and the dim's size unless every index
 // lies in [0, size). CPU indices only (see the top of this file); device kernels bound them.
 void check_index_range(const char* op, const Tensor& index, int64_t dim, int64_t size) {
-  if (!index.device().is_cpu()) return;
   auto loop = ops::loop_over<1>(index.shape(), {&index});
   int64_t lo = 0, hi = 0;
   if (!kernels::cpu::index_range(index.dtype(), loop, &lo, &hi)) return;
@@ -58,28 +57,22 @@ kernels::Loop<3> make_loop3(const Shape& shape, const std::array<Shape, 3>& stri
   return kernels::make_loop<3>(int(shape.size()), shape.data(), sp, dp);
 }
 
-// out[p] = x[p with dim := index[p]] for every position p of out; `istr` are index's strides
-// seen at out's shape (0 where index_select broadcasts its 1-D index).
-// `report_as`: the op a device kernel names when it meets an out-of-range index (none: the
-// indices were checked already, as in a backward).
-void gather_into(const Tensor& x, int64_t dim, const Tensor& index, const Shape& istr, const Tensor& out,
-                 kernels::cuda::DeviceErrorOp report_as) {
-  if (out.numel() == 0) return;
+// The kernels' loop for out[p] = x[p with dim := index[p]] over every position p of a non-empty
+// out; `istr` are index's strides seen at out's shape (0 where index_select broadcasts its 1-D index).
+kernels::IndexLoop gather_loop(const Tensor& x, int64_t dim, const Tensor& index, const Shape& istr,
+                               const Tensor& out) {
   Shape xs = strides_of(x);
   kernels::IndexLoop l;
   l.self_dim_stride = xs[size_t(dim)];
   xs[size_t(dim)] = 0;
   l.loop = make_loop3(dims_of(out), {xs, istr, strides_of(out)}, {x.data_ptr(), index.data_ptr(), out.data_ptr()});
-  if (x.device().is_cpu()) kernels::cpu::gather(x.dtype(), index.dtype(), l);
-  else
-    kernels::cuda::gather(x.dtype(), index.dtype(), l, dims_of(x)[size_t(dim)], report_as,
-                          ops::stream_handle(x.device()));
+  return l;
 }
 
-// self[p with dim := index[p]] += src[p] for every position p of src.
-void scatter_add_into(const Tensor& self, int64_t dim, const Tensor& index, const Shape& istr, const Tensor& src,
-                      kernels::cuda::DeviceErrorOp report_as) {
-  if (src.numel() == 0) return;
+// The kernels' loop for self[p with dim := index[p]] += src[p] over every position p of a
+// non-empty src.
+kernels::IndexLoop scatter_add_loop(const Tensor& self, int64_t dim, const Tensor& index, const Shape& istr,
+                                    const Tensor& src) {
   Shape shape = dims_of(src), ss = strides_of(self), srs = strides_of(src);
   kernels::IndexLoop l;
   l.n = shape[size_t(dim)];
@@ -88,11 +81,12 @@ void scatter_add_into(const Tensor& self, int64_t dim, const Tensor& index, cons
   l.other_dim_stride = srs[size_t(dim)];
   shape[size_t(dim)] = 1;  // walked by the kernel in order, outside the loop
   l.loop = make_loop3(shape, {ss, istr, srs}, {self.data_ptr(), index.data_ptr(), src.data_ptr()});
-  if (self.device().is_cpu()) kernels::cpu::scatter_add(self.dtype(), index.dtype(), l);
-  else
-    kernels::cuda::scatter_add(self.dtype(), index.dtype(), l, dims_of(self)[size_t(dim)], report_as,
-                               ops::stream_handle(self.device()));
+  return l;
 }
+
+// The op a device kernel names when it meets an out-of-range index; none when the indices were
+// checked already (a backward re-using its forward's).
+DeviceErrorOp report_as(bool check, DeviceErrorOp op) { return check ? op : DeviceErrorOp::none; }
 
 // index_select/index_add see their 1-D index as a tensor of `ndim` dims that varies only along dim.
 Shape broadcast_index_strides(const Tensor& index, size_t ndim, int64_t dim) {
@@ -120,12 +114,21 @@ class Gather final : public Primitive {
   Gather(int64_t dim, bool check) : dim_(dim), check_(check) {}
   const char* name() const override { return "gather"; }
   Attrs attrs() const override { return {{"dim", dim_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1];
-    (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, dims_of(x)[size_t(dim_)]);
-    Tensor out = Tensor::empty(index.shape(), {.dtype = x.dtype(), .device = x.device()});
-    gather_into(x, dim_, index, strides_of(index), out, check_ ? DeviceErrorOp::gather : DeviceErrorOp::none);
+    Tensor out = output_for(x, index);
+    if (out.numel() > 0)
+      kernels::cpu::gather(x.dtype(), index.dtype(), gather_loop(x, dim_, index, strides_of(index), out));
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor &x = in[0], &index = in[1];
+    Tensor out = output_for(x, index);
+    if (out.numel() > 0)
+      kernels::cuda::gather(x.dtype(), index.dtype(), gather_loop(x, dim_, index, strides_of(index), out),
+                            dims_of(x)[size_t(dim_)], report_as(check_, DeviceErrorOp::gather),
+                            ops::stream_handle(x.device()));
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
@@ -135,6 +138,10 @@ class Gather final : public Primitive {
   }
 
  private:
+  static Tensor output_for(const Tensor& x, const Tensor& index) {
+    return Tensor::empty(index.shape(), {.dtype = x.dtype(), .device = x.device()});
+  }
+
   int64_t dim_;
   bool check_;
 };
@@ -144,13 +151,21 @@ class ScatterAdd final : public Primitive {
   ScatterAdd(int64_t dim, bool check) : dim_(dim), check_(check) {}
   const char* name() const override { return "scatter_add"; }
   Attrs attrs() const override { return {{"dim", dim_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1], &src = in[2];
-    (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, dims_of(x)[size_t(dim_)]);
     Tensor out = copy_of(x);
-    scatter_add_into(out, dim_, index, strides_of(index), src,
-                     check_ ? DeviceErrorOp::scatter_add : DeviceErrorOp::none);
+    if (src.numel() > 0)
+      kernels::cpu::scatter_add(out.dtype(), index.dtype(), scatter_add_loop(out, dim_, index, strides_of(index), src));
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor &x = in[0], &index = in[1], &src = in[2];
+    Tensor out = copy_of(x);
+    if (src.numel() > 0)
+      kernels::cuda::scatter_add(out.dtype(), index.dtype(), scatter_add_loop(out, dim_, index, strides_of(index), src),
+                                 dims_of(out)[size_t(dim_)], report_as(check_, DeviceErrorOp::scatter_add),
+                                 ops::stream_handle(out.device()));
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
@@ -170,15 +185,19 @@ class IndexSelect final : public Primitive {
   IndexSelect(int64_t dim, bool check) : dim_(dim), check_(check) {}
   const char* name() const override { return "index_select"; }
   Attrs attrs() const override { return {{"dim", dim_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1];
-    (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, x.size(dim_));
-    Shape shape = x.shape();
-    shape[size_t(dim_)] = index.numel();
-    Tensor out = Tensor::empty(shape, {.dtype = x.dtype(), .device = x.device()});
-    gather_into(x, dim_, index, broadcast_index_strides(index, shape.size(), dim_), out,
-                check_ ? DeviceErrorOp::index_select : DeviceErrorOp::none);
+    Tensor out = output_for(x, index);
+    if (out.numel() > 0) kernels::cpu::gather(x.dtype(), index.dtype(), loop(x, index, out));
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor &x = in[0], &index = in[1];
+    Tensor out = output_for(x, index);
+    if (out.numel() > 0)
+      kernels::cuda::gather(x.dtype(), index.dtype(), loop(x, index, out), dims_of(x)[size_t(dim_)],
+                            report_as(check_, DeviceErrorOp::index_select), ops::stream_handle(x.device()));
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
@@ -188,6 +207,15 @@ class IndexSelect final : public Primitive {
   }
 
  private:
+  Tensor output_for(const Tensor& x, const Tensor& index) const {
+    Shape shape = x.shape();
+    shape[size_t(dim_)] = index.numel();
+    return Tensor::empty(shape, {.dtype = x.dtype(), .device = x.device()});
+  }
+  kernels::IndexLoop loop(const Tensor& x, const Tensor& index, const Tensor& out) const {
+    return gather_loop(x, dim_, index, broadcast_index_strides(index, size_t(out.dim()), dim_), out);
+  }
+
   int64_t dim_;
   bool check_;
 };
@@ -197,13 +225,19 @@ class IndexAdd final : public Primitive {
   IndexAdd(int64_t dim, bool check) : dim_(dim), check_(check) {}
   const char* name() const override { return "index_add"; }
   Attrs attrs() const override { return {{"dim", dim_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor &x = in[0], &index = in[1], &src = in[2];
-    (void)common_device(name(), in);
     if (check_) check_index_range(name(), index, dim_, x.size(dim_));
     Tensor out = copy_of(x);
-    scatter_add_into(out, dim_, index, broadcast_index_strides(index, size_t(src.dim()), dim_), src,
-                     check_ ? DeviceErrorOp::index_add : DeviceErrorOp::none);
+    if (src.numel() > 0) kernels::cpu::scatter_add(out.dtype(), index.dtype(), loop(out, index, src));
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor &x = in[0], &index = in[1], &src = in[2];
+    Tensor out = copy_of(x);
+    if (src.numel() > 0)
+      kernels::cuda::scatter_add(out.dtype(), index.dtype(), loop(out, index, src), dims_of(out)[size_t(dim_)],
+                                 report_as(check_, DeviceErrorOp::index_add), ops::stream_handle(out.device()));
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
@@ -214,17 +248,21 @@ class IndexAdd final : public Primitive {
   }
 
  private:
+  kernels::IndexLoop loop(const Tensor& out, const Tensor& index, const Tensor& src) const {
+    return scatter_add_loop(out, dim_, index, broadcast_index_strides(index, size_t(src.dim()), dim_), src);
+  }
+
   int64_t dim_;
   bool check_;
 };
 
 // Inputs share dtype, device and every size but dim's (checked by cat()).
-class Cat final : public Primitive {
+class Cat final : public AnyDevicePrimitive {
  public:
   explicit Cat(int64_t dim) : dim_(dim) {}
   const char* name() const override { return "cat"; }
   Attrs attrs() const override { return {{"dim", dim_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     Shape shape = in[0].shape();
     int64_t total = 0;
     for (const Tensor& t : in) total += t.size(dim_);
@@ -263,29 +301,21 @@ class Sort final : public Primitive {
   Sort(const char* name, int64_t dim, int64_t k, bool descending) : name_(name), dim_(dim), k_(k), descending_(descending) {}
   const char* name() const override { return name_; }
   Attrs attrs() const override { return {{"dim", dim_}, {"k", k_}, {"descending", descending_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
-    Shape shape = x.shape();
-    if (x.dim()) shape[size_t(dim_)] = k_;
-    Tensor values = Tensor::empty(shape, {.dtype = x.dtype(), .device = x.device()});
-    Tensor indices = Tensor::empty(shape, {.dtype = DType::i64, .device = x.device()});
-    if (values.numel() == 0) return {values, indices};
-    Shape rows = dims_of(x);
-    kernels::RowLoop l;
-    l.n = rows[size_t(dim_)];
-    l.k = k_;
-    const std::array<Shape, 3> st = {strides_of(values), strides_of(indices), strides_of(x)};
-    for (size_t i = 0; i < 3; ++i) l.dim_strides[i] = st[i][size_t(dim_)];
-    rows[size_t(dim_)] = 1;
-    l.rows = make_loop3(rows, st, {values.data_ptr(), indices.data_ptr(), x.data_ptr()});
-    if (x.device().is_cpu()) {
-      kernels::cpu::sort(x.dtype(), l, descending_);
-    } else {
-      QUILT_CHECK(l.n <= kernels::cuda::kSortMaxRow, "[", name(), "] on CUDA sorts rows of at most ",
-                  kernels::cuda::kSortMaxRow, " elements, got ", l.n, " along dim ", dim_, " of shape ", x.shape());
-      kernels::cuda::sort(x.dtype(), l, descending_, ops::stream_handle(x.device()));
-    }
-    return {values, indices};
+    std::vector<Tensor> out = outputs_for(x);
+    if (out[0].numel() > 0) kernels::cpu::sort(x.dtype(), loop(x, out), descending_);
+    return out;
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor& x = in[0];
+    std::vector<Tensor> out = outputs_for(x);
+    if (out[0].numel() == 0) return out;
+    const kernels::RowLoop l = loop(x, out);
+    QUILT_CHECK(l.n <= kernels::cuda::kSortMaxRow, "[", name(), "] on CUDA sorts rows of at most ",
+                kernels::cuda::kSortMaxRow, " elements, got ", l.n, " along dim ", dim_, " of shape ", x.shape());
+    kernels::cuda::sort(x.dtype(), l, descending_, ops::stream_handle(x.device()));
+    return out;
   }
   void save(const std::vector<Tensor>&, const std::vector<Tensor>& out) override { saved_ = {out[1].detach()}; }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
@@ -295,6 +325,26 @@ class Sort final : public Primitive {
   bool differentiable_output(size_t i, const Tensor& out) const override { return i == 0 && is_floating(out.dtype()); }
 
  private:
+  // (values, indices), k_ along dim_.
+  std::vector<Tensor> outputs_for(const Tensor& x) const {
+    Shape shape = x.shape();
+    if (x.dim()) shape[size_t(dim_)] = k_;
+    return {Tensor::empty(shape, {.dtype = x.dtype(), .device = x.device()}),
+            Tensor::empty(shape, {.dtype = DType::i64, .device = x.device()})};
+  }
+  // The kernels' rows of x along dim_, writing the first k_ of each into out = (values, indices).
+  kernels::RowLoop loop(const Tensor& x, const std::vector<Tensor>& out) const {
+    Shape rows = dims_of(x);
+    kernels::RowLoop l;
+    l.n = rows[size_t(dim_)];
+    l.k = k_;
+    const std::array<Shape, 3> st = {strides_of(out[0]), strides_of(out[1]), strides_of(x)};
+    for (size_t i = 0; i < 3; ++i) l.dim_strides[i] = st[i][size_t(dim_)];
+    rows[size_t(dim_)] = 1;
+    l.rows = make_loop3(rows, st, {out[0].data_ptr(), out[1].data_ptr(), x.data_ptr()});
+    return l;
+  }
+
   const char* name_;
   int64_t dim_, k_;
   bool descending_;
@@ -305,11 +355,30 @@ class Cumsum final : public Primitive {
  public:
   Cumsum(int64_t dim, bool reverse) : dim_(dim), reverse_(reverse) {}
   const char* name() const override { return "cumsum"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
+    Tensor out = output_for(x);
+    if (out.numel() > 0) kernels::cpu::cumsum(x.dtype(), out.dtype(), loop(x, out), reverse_);
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor& x = in[0];
+    Tensor out = output_for(x);
+    if (out.numel() > 0)
+      kernels::cuda::cumsum(x.dtype(), out.dtype(), loop(x, out), reverse_, ops::stream_handle(x.device()));
+    return {out};
+  }
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    return {apply1(std::make_shared<Cumsum>(dim_, !reverse_), {ctx.grads[0]})};
+  }
+
+ private:
+  static Tensor output_for(const Tensor& x) {
     const DType odt = is_floating(x.dtype()) ? x.dtype() : DType::i64;
-    Tensor out = Tensor::empty(x.shape(), {.dtype = odt, .device = x.device()});
-    if (out.numel() == 0) return {out};
+    return Tensor::empty(x.shape(), {.dtype = odt, .device = x.device()});
+  }
+  // The kernels' rows of x along dim_, summed into out.
+  kernels::RowLoop loop(const Tensor& x, const Tensor& out) const {
     Shape rows = dims_of(x);
     const Shape none(rows.size(), 0);
     const std::array<Shape, 3> st = {strides_of(out), none, strides_of(x)};
@@ -318,15 +387,9 @@ class Cumsum final : public Primitive {
     for (size_t i = 0; i < 3; ++i) l.dim_strides[i] = st[i][size_t(dim_)];
     rows[size_t(dim_)] = 1;
     l.rows = make_loop3(rows, st, {out.data_ptr(), nullptr, x.data_ptr()});
-    if (x.device().is_cpu()) kernels::cpu::cumsum(x.dtype(), odt, l, reverse_);
-    else kernels::cuda::cumsum(x.dtype(), odt, l, reverse_, ops::stream_handle(x.device()));
-    return {out};
-  }
-  std::vector<Tensor> backward(const BackwardContext& ctx) override {
-    return {apply1(std::make_shared<Cumsum>(dim_, !reverse_), {ctx.grads[0]})};
+    return l;
   }
 
- private:
   int64_t dim_;
   bool reverse_;
 };

@@ -22,9 +22,39 @@ class Matmul final : public Primitive {
  public:
   const char* name() const override { return "matmul"; }
 
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    return run(in, [](DType dt, const kernels::GemmArgs& g) { kernels::cpu::gemm(dt, g); });
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    void* stream = ops::stream_handle(in[0].device());
+    return run(in, [stream](DType dt, const kernels::GemmArgs& g) { kernels::cuda::gemm(dt, g, stream); });
+  }
+
+  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[0].detach(), in[1].detach()}; }
+
+  std::vector<Tensor> backward(const BackwardContext& ctx) override {
+    const Tensor& g = ctx.grads[0];
+    const Tensor& a = saved_[0];
+    const Tensor& b = saved_[1];
+    Tensor ga, gb;
+    if (ctx.needs[0]) ga = sum_to(matmul(g, transpose(b, -1, -2)), ctx.inputs[0].shape);
+    if (ctx.needs[1]) {
+      if (b.dim() == 2 && a.dim() > 2) {  // weight gradient: one GEMM over all rows
+        const int64_t k = a.size(-1), n = b.size(-1);
+        gb = matmul(transpose(reshape(a, {-1, k}), 0, 1), reshape(g, {-1, n}));
+      } else {
+        gb = sum_to(matmul(transpose(a, -1, -2), g), ctx.inputs[1].shape);
+      }
+    }
+    return {ga, gb};
+  }
+
+ private:
+  // The output and the GEMM arguments, shared by both devices; `gemm(dtype, args)` runs the kernel.
+  template <class Gemm>
+  static std::vector<Tensor> run(const std::vector<Tensor>& in, const Gemm& gemm) {
     Tensor a = in[0], b = in[1];
-    const Device dev = common_device("matmul", in);
+    const Device dev = a.device();
     const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
     // Fold a's batch dims into M when b has none and a allows it (one big GEMM).
     if (b.dim() == 2 && a.dim() > 2 && a.is_contiguous() && k > 0) {
@@ -32,7 +62,7 @@ class Matmul final : public Primitive {
       Shape out_shape(a.shape().begin(), a.shape().end() - 1);
       out_shape.push_back(n);
       Tensor a_flat = Tensor::from_storage(a.storage(), {rows, k}, {k, 1}, a.offset(), a.dtype());
-      Tensor out = run2d(a_flat, b, dev);
+      Tensor out = run2d(a_flat, b, dev, gemm);
       return {Tensor::from_storage(out.storage(), out_shape, contiguous_strides(out_shape), 0, out.dtype())};
     }
     Shape batch_a(a.shape().begin(), a.shape().end() - 2), batch_b(b.shape().begin(), b.shape().end() - 2);
@@ -66,35 +96,11 @@ class Matmul final : public Primitive {
     g.trans_b = ob.trans; g.ldb = ob.ld; g.b = b.data_ptr();
     g.c = out.data_ptr(); g.ldc = std::max<int64_t>(n, 1);
     g.batch = nb; g.a_offsets = ao.data(); g.b_offsets = bo.data(); g.c_offsets = co.data();
-    gemm(dev, a.dtype(), g);
+    gemm(a.dtype(), g);
     return {out};
   }
-
-  void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[0].detach(), in[1].detach()}; }
-
-  std::vector<Tensor> backward(const BackwardContext& ctx) override {
-    const Tensor& g = ctx.grads[0];
-    const Tensor& a = saved_[0];
-    const Tensor& b = saved_[1];
-    Tensor ga, gb;
-    if (ctx.needs[0]) ga = sum_to(matmul(g, transpose(b, -1, -2)), ctx.inputs[0].shape);
-    if (ctx.needs[1]) {
-      if (b.dim() == 2 && a.dim() > 2) {  // weight gradient: one GEMM over all rows
-        const int64_t k = a.size(-1), n = b.size(-1);
-        gb = matmul(transpose(reshape(a, {-1, k}), 0, 1), reshape(g, {-1, n}));
-      } else {
-        gb = sum_to(matmul(transpose(a, -1, -2), g), ctx.inputs[1].shape);
-      }
-    }
-    return {ga, gb};
-  }
-
- private:
-  static void gemm(Device dev, DType dt, const kernels::GemmArgs& g) {
-    if (dev.is_cpu()) kernels::cpu::gemm(dt, g);
-    else kernels::cuda::gemm(dt, g, ops::stream_handle(dev));
-  }
-  static Tensor run2d(const Tensor& a, Tensor b, Device dev) {
+  template <class Gemm>
+  static Tensor run2d(const Tensor& a, Tensor b, Device dev, const Gemm& gemm) {
     const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
     Tensor out = Tensor::empty({m, n}, {.dtype = a.dtype(), .device = dev});
     if (out.numel() == 0) return out;
@@ -104,7 +110,7 @@ class Matmul final : public Primitive {
     g.trans_a = false; g.lda = std::max<int64_t>(a.stride(0), k); g.a = a.data_ptr();
     g.trans_b = ob.trans; g.ldb = ob.ld; g.b = b.data_ptr();
     g.c = out.data_ptr(); g.ldc = std::max<int64_t>(n, 1);
-    gemm(dev, a.dtype(), g);
+    gemm(a.dtype(), g);
     return out;
   }
 };

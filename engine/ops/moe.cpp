@@ -47,7 +47,6 @@ int64_t row_stride(const Tensor& t) { return t.size(0) <= 1 ? t.size(1) : t.stri
 
 bool is_index_dtype(DType dt) { return dt == DType::i32 || dt == DType::i64; }
 
-bool on_cuda(const char* op, const std::vector<Tensor>& in) { return common_device(op, in).is_cuda(); }
 void* stream_of(const Tensor& t) { return ops::stream_handle(t.device()); }
 
 // The device inverse of a routing order (slot -> row, -1 where no row names the slot); unchecked.
@@ -94,49 +93,34 @@ std::vector<int64_t> invert_order(const char* op, const Tensor& order64) {
 Tensor run_grouped_mm(const Tensor& x, const Tensor& w, const Tensor& offsets);
 Tensor run_weight_grad(const Tensor& x, const Tensor& dy, const Tensor& offsets);
 
-// grouped_mm's offsets where its kernel reads them: on the host, checked, for the CPU kernel; on
-// the device, as i64, for the CUDA kernel (no sync, so only an empty offsets is refused there).
-struct GroupOffsets {
-  Tensor device;
-  std::vector<int64_t> host;
-  const int64_t* data() const { return device.defined() ? device.data<int64_t>() : host.data(); }
-};
-GroupOffsets group_offsets(const char* op, bool cuda, const Tensor& offsets, const Tensor& x) {
-  GroupOffsets g;
-  if (cuda) {
-    QUILT_CHECK(offsets.numel() > 0 || x.size(0) == 0, "[", op, "] offsets is empty (no groups) but x ", x.shape(),
-                " has ", x.size(0), " rows");
-    g.device = i64_contiguous(offsets);
-  } else {
-    g.host = host_i64(offsets);
-    check_offsets(op, g.host, x);
-  }
-  return g;
+// grouped_mm's offsets where the CPU kernel reads them: on the host, checked.
+std::vector<int64_t> host_offsets(const char* op, const Tensor& offsets, const Tensor& x) {
+  std::vector<int64_t> off = host_i64(offsets);
+  check_offsets(op, off, x);
+  return off;
+}
+// grouped_mm's offsets where the CUDA kernel reads them: on the device, as i64 (no sync, so only
+// an empty offsets is refused).
+Tensor device_offsets(const char* op, const Tensor& offsets, const Tensor& x) {
+  QUILT_CHECK(offsets.numel() > 0 || x.size(0) == 0, "[", op, "] offsets is empty (no groups) but x ", x.shape(),
+              " has ", x.size(0), " rows");
+  return i64_contiguous(offsets);
 }
 
 // out (M, N) = x (M, K) @ w[group] (E, K, N), groups given by offsets (E).
 class GroupedMm final : public Primitive {
  public:
   const char* name() const override { return "grouped_mm"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    Tensor x = in[0], w = in[1];
-    const bool cuda = on_cuda(name(), in);
-    const GroupOffsets off = group_offsets(name(), cuda, in[2], x);
-    const int64_t m = x.size(0), k = x.size(1), n = w.size(2);
-    if (k == 0) return {zeros({m, n}, {.dtype = x.dtype(), .device = x.device()})};  // empty sums
-    Tensor out = Tensor::empty({m, n}, {.dtype = x.dtype(), .device = x.device()});
-    if (out.numel() == 0) return {out};
-    const Operand ox = gemm_operand(x), ow = gemm_operand(w);
-    kernels::GroupedGemmArgs g;
-    g.groups = in[2].numel();
-    g.offsets = off.data();
-    g.m = m; g.n = n; g.k = k;
-    g.x = x.data_ptr(); g.trans_x = ox.trans; g.ldx = ox.ld;
-    g.w = w.data_ptr(); g.trans_w = ow.trans; g.ldw = ow.ld; g.w_group_stride = w.stride(0);
-    g.out = out.data_ptr(); g.ldo = n;
-    if (cuda) kernels::cuda::grouped_gemm(x.dtype(), g, stream_of(x));
-    else kernels::cpu::grouped_gemm(x.dtype(), g);
-    return {out};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const std::vector<int64_t> off = host_offsets(name(), in[2], in[0]);
+    return run(in, off.data(), [](DType dt, const kernels::GroupedGemmArgs& g) { kernels::cpu::grouped_gemm(dt, g); });
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor off = device_offsets(name(), in[2], in[0]);
+    void* stream = stream_of(in[0]);
+    return run(in, off.data<int64_t>(), [stream](DType dt, const kernels::GroupedGemmArgs& g) {
+      kernels::cuda::grouped_gemm(dt, g, stream);
+    });
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
     saved_ = {in[0].detach(), in[1].detach(), in[2].detach()};
@@ -155,6 +139,26 @@ class GroupedMm final : public Primitive {
   }
 
  private:
+  // The output and the kernel's arguments, shared by both devices; `gemm(dtype, args)` runs the
+  // kernel, `offsets` are where it reads them.
+  template <class Gemm>
+  static std::vector<Tensor> run(const std::vector<Tensor>& in, const int64_t* offsets, const Gemm& gemm) {
+    Tensor x = in[0], w = in[1];
+    const int64_t m = x.size(0), k = x.size(1), n = w.size(2);
+    if (k == 0) return {zeros({m, n}, {.dtype = x.dtype(), .device = x.device()})};  // empty sums
+    Tensor out = Tensor::empty({m, n}, {.dtype = x.dtype(), .device = x.device()});
+    if (out.numel() == 0) return {out};
+    const Operand ox = gemm_operand(x), ow = gemm_operand(w);
+    kernels::GroupedGemmArgs g;
+    g.groups = in[2].numel();
+    g.offsets = offsets;
+    g.m = m; g.n = n; g.k = k;
+    g.x = x.data_ptr(); g.trans_x = ox.trans; g.ldx = ox.ld;
+    g.w = w.data_ptr(); g.trans_w = ow.trans; g.ldw = ow.ld; g.w_group_stride = w.stride(0);
+    g.out = out.data_ptr(); g.ldo = n;
+    gemm(x.dtype(), g);
+    return {out};
+  }
   // True when w's (K, N) matrices are stored column-major (w is a transposed view).
   static bool stored_transposed(const Tensor& w) {
     const Tensor& l = w.is_distributed() ? w.local() : w;
@@ -168,25 +172,18 @@ class GroupedMm final : public Primitive {
 class GroupedMmWeightGrad final : public Primitive {
  public:
   const char* name() const override { return "grouped_mm_weight_grad"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    Tensor x = in[0], dy = in[1];
-    const bool cuda = on_cuda(name(), in);
-    const GroupOffsets off = group_offsets(name(), cuda, in[2], x);
-    const int64_t e = in[2].numel(), m = x.size(0), k = x.size(1), n = dy.size(1);
-    if (m == 0) return {zeros({e, k, n}, {.dtype = x.dtype(), .device = x.device()})};  // every group empty
-    Tensor dw = Tensor::empty({e, k, n}, {.dtype = x.dtype(), .device = x.device()});
-    if (dw.numel() == 0) return {dw};
-    const Operand ox = gemm_operand(x), ody = gemm_operand(dy);
-    kernels::GroupedGemmWeightGradArgs g;
-    g.groups = e;
-    g.offsets = off.data();
-    g.m = m; g.n = n; g.k = k;
-    g.x = x.data_ptr(); g.trans_x = ox.trans; g.ldx = ox.ld;
-    g.dy = dy.data_ptr(); g.trans_dy = ody.trans; g.lddy = ody.ld;
-    g.dw = dw.data_ptr();
-    if (cuda) kernels::cuda::grouped_gemm_weight_grad(x.dtype(), g, stream_of(x));
-    else kernels::cpu::grouped_gemm_weight_grad(x.dtype(), g);
-    return {dw};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const std::vector<int64_t> off = host_offsets(name(), in[2], in[0]);
+    return run(in, off.data(), [](DType dt, const kernels::GroupedGemmWeightGradArgs& g) {
+      kernels::cpu::grouped_gemm_weight_grad(dt, g);
+    });
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor off = device_offsets(name(), in[2], in[0]);
+    void* stream = stream_of(in[0]);
+    return run(in, off.data<int64_t>(), [stream](DType dt, const kernels::GroupedGemmWeightGradArgs& g) {
+      kernels::cuda::grouped_gemm_weight_grad(dt, g, stream);
+    });
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
     saved_ = {in[0].detach(), in[1].detach(), in[2].detach()};
@@ -198,6 +195,28 @@ class GroupedMmWeightGrad final : public Primitive {
     Tensor gx = ctx.needs[0] ? run_grouped_mm(dy, transpose(g, 1, 2), offsets) : Tensor();
     Tensor gdy = ctx.needs[1] ? run_grouped_mm(x, g, offsets) : Tensor();
     return {gx, gdy, Tensor()};
+  }
+
+ private:
+  // The output and the kernel's arguments, shared by both devices; `gemm(dtype, args)` runs the
+  // kernel, `offsets` are where it reads them.
+  template <class Gemm>
+  static std::vector<Tensor> run(const std::vector<Tensor>& in, const int64_t* offsets, const Gemm& gemm) {
+    Tensor x = in[0], dy = in[1];
+    const int64_t e = in[2].numel(), m = x.size(0), k = x.size(1), n = dy.size(1);
+    if (m == 0) return {zeros({e, k, n}, {.dtype = x.dtype(), .device = x.device()})};  // every group empty
+    Tensor dw = Tensor::empty({e, k, n}, {.dtype = x.dtype(), .device = x.device()});
+    if (dw.numel() == 0) return {dw};
+    const Operand ox = gemm_operand(x), ody = gemm_operand(dy);
+    kernels::GroupedGemmWeightGradArgs g;
+    g.groups = e;
+    g.offsets = offsets;
+    g.m = m; g.n = n; g.k = k;
+    g.x = x.data_ptr(); g.trans_x = ox.trans; g.ldx = ox.ld;
+    g.dy = dy.data_ptr(); g.trans_dy = ody.trans; g.lddy = ody.ld;
+    g.dw = dw.data_ptr();
+    gemm(x.dtype(), g);
+    return {dw};
   }
 };
 
@@ -216,19 +235,20 @@ class MoeRoute final : public Primitive {
   explicit MoeRoute(int64_t num_experts) : num_experts_(num_experts) {}
   const char* name() const override { return "moe_route"; }
   Attrs attrs() const override { return {{"num_experts", num_experts_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  // A stable device sort; an index outside [0, E) is left out of counts (moe_route checks).
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
     const Tensor& idx = in[0];
-    if (idx.device().is_cuda()) {
-      // A stable device sort; an index outside [0, E) is left out of counts (moe_route checks).
-      const Tensor idx64 = i64_contiguous(idx);
-      const int64_t n = idx64.numel();
-      const TensorOptions opts{.dtype = DType::i64, .device = idx.device()};
-      Tensor order = Tensor::empty({n}, opts), counts = Tensor::empty({num_experts_}, opts);
-      Tensor offsets = Tensor::empty({num_experts_}, opts);
-      kernels::cuda::moe_route(idx64.data<int64_t>(), n, num_experts_, order.data<int64_t>(), counts.data<int64_t>(),
-                               offsets.data<int64_t>(), stream_of(idx));
-      return {order, counts, offsets};
-    }
+    const Tensor idx64 = i64_contiguous(idx);
+    const int64_t n = idx64.numel();
+    const TensorOptions opts{.dtype = DType::i64, .device = idx.device()};
+    Tensor order = Tensor::empty({n}, opts), counts = Tensor::empty({num_experts_}, opts);
+    Tensor offsets = Tensor::empty({num_experts_}, opts);
+    kernels::cuda::moe_route(idx64.data<int64_t>(), n, num_experts_, order.data<int64_t>(), counts.data<int64_t>(),
+                             offsets.data<int64_t>(), stream_of(idx));
+    return {order, counts, offsets};
+  }
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Tensor& idx = in[0];
     const std::vector<int64_t> e = host_i64(idx);
     const int64_t n = int64_t(e.size()), k = idx.size(1), ne = num_experts_;
     const TensorOptions opts{.dtype = DType::i64, .device = idx.device()};
@@ -269,21 +289,23 @@ class MoePermute final : public Primitive {
   explicit MoePermute(int64_t k) : k_(k) {}
   const char* name() const override { return "moe_permute"; }
   Attrs attrs() const override { return {{"k", k_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const bool cuda = on_cuda(name(), in);
-    const Tensor x = unit_cols(in[0]), order = i64_contiguous(in[1]);
-    const Tensor w = in[2].defined() ? contiguous(in[2]) : Tensor();
-    if (!cuda) invert_order(name(), order);  // CUDA: unchecked (a bad entry gives a zero row)
-    const int64_t n = order.numel(), h = x.size(1);
-    Tensor out = Tensor::empty({n, h}, {.dtype = x.dtype(), .device = x.device()});
-    if (out.numel() == 0) return {out};
-    if (cuda) {
-      kernels::cuda::moe_permute(x.dtype(), n, h, k_, order.data<int64_t>(), x.data_ptr(), row_stride(x),
-                                 w.defined() ? w.data_ptr() : nullptr, out.data_ptr(), stream_of(x));
-      return {out};
-    }
-    kernels::cpu::moe_permute(x.dtype(), n, h, k_, order.data<int64_t>(), x.data_ptr(), row_stride(x),
-                              w.defined() ? w.data_ptr() : nullptr, out.data_ptr());
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Inputs a = inputs(in);
+    invert_order(name(), a.order);  // throws unless order is a permutation
+    Tensor out = output_for(a);
+    if (out.numel() > 0)
+      kernels::cpu::moe_permute(a.x.dtype(), out.size(0), out.size(1), k_, a.order.data<int64_t>(), a.x.data_ptr(),
+                                row_stride(a.x), a.w.defined() ? a.w.data_ptr() : nullptr, out.data_ptr());
+    return {out};
+  }
+  // The order is not checked: a bad entry gives a zero row.
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Inputs a = inputs(in);
+    Tensor out = output_for(a);
+    if (out.numel() > 0)
+      kernels::cuda::moe_permute(a.x.dtype(), out.size(0), out.size(1), k_, a.order.data<int64_t>(), a.x.data_ptr(),
+                                 row_stride(a.x), a.w.defined() ? a.w.data_ptr() : nullptr, out.data_ptr(),
+                                 stream_of(a.x));
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
@@ -299,6 +321,18 @@ class MoePermute final : public Primitive {
   }
 
  private:
+  // x, order and w as the kernels read them.
+  struct Inputs {
+    Tensor x, order, w;
+  };
+  static Inputs inputs(const std::vector<Tensor>& in) {
+    return {unit_cols(in[0]), i64_contiguous(in[1]), in[2].defined() ? contiguous(in[2]) : Tensor()};
+  }
+  // (T*k, H): one row per slot.
+  static Tensor output_for(const Inputs& a) {
+    return Tensor::empty({a.order.numel(), a.x.size(1)}, {.dtype = a.x.dtype(), .device = a.x.device()});
+  }
+
   int64_t k_;
 };
 
@@ -308,24 +342,24 @@ class MoeUnpermute final : public Primitive {
   explicit MoeUnpermute(int64_t k) : k_(k) {}
   const char* name() const override { return "moe_unpermute"; }
   Attrs attrs() const override { return {{"k", k_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const bool cuda = on_cuda(name(), in);
-    const Tensor y = unit_cols(in[0]), order = i64_contiguous(in[1]);
-    const Tensor w = in[2].defined() ? contiguous(in[2]) : Tensor();
-    const int64_t tokens = y.size(0) / k_, h = y.size(1);
-    if (cuda) {  // a gather-and-sum per token: deterministic without atomics; order unchecked
-      Tensor out = Tensor::empty({tokens, h}, {.dtype = y.dtype(), .device = y.device()});
-      if (out.numel() == 0) return {out};
-      const Tensor slot_row = device_slot_row(order);
-      kernels::cuda::moe_unpermute(y.dtype(), tokens, h, k_, slot_row.data<int64_t>(), y.data_ptr(), row_stride(y),
-                                   w.defined() ? w.data_ptr() : nullptr, out.data_ptr(), stream_of(y));
-      return {out};
-    }
-    const std::vector<int64_t> slot_row = invert_order(name(), order);
-    Tensor out = Tensor::empty({tokens, h}, {.dtype = y.dtype(), .device = y.device()});
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Inputs a = inputs(in);
+    const std::vector<int64_t> slot_row = invert_order(name(), a.order);
+    Tensor out = output_for(a);
+    if (out.numel() > 0)
+      kernels::cpu::moe_unpermute(a.y.dtype(), out.size(0), out.size(1), k_, slot_row.data(), a.y.data_ptr(),
+                                  row_stride(a.y), a.w.defined() ? a.w.data_ptr() : nullptr, out.data_ptr());
+    return {out};
+  }
+  // A gather-and-sum per token: deterministic without atomics; the order is not checked.
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Inputs a = inputs(in);
+    Tensor out = output_for(a);
     if (out.numel() == 0) return {out};
-    kernels::cpu::moe_unpermute(y.dtype(), tokens, h, k_, slot_row.data(), y.data_ptr(), row_stride(y),
-                                w.defined() ? w.data_ptr() : nullptr, out.data_ptr());
+    const Tensor slot_row = device_slot_row(a.order);
+    kernels::cuda::moe_unpermute(a.y.dtype(), out.size(0), out.size(1), k_, slot_row.data<int64_t>(), a.y.data_ptr(),
+                                 row_stride(a.y), a.w.defined() ? a.w.data_ptr() : nullptr, out.data_ptr(),
+                                 stream_of(a.y));
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
@@ -341,6 +375,18 @@ class MoeUnpermute final : public Primitive {
   }
 
  private:
+  // y, order and w as the kernels read them.
+  struct Inputs {
+    Tensor y, order, w;
+  };
+  static Inputs inputs(const std::vector<Tensor>& in) {
+    return {unit_cols(in[0]), i64_contiguous(in[1]), in[2].defined() ? contiguous(in[2]) : Tensor()};
+  }
+  // (T, H): one row per token.
+  Tensor output_for(const Inputs& a) const {
+    return Tensor::empty({a.y.size(0) / k_, a.y.size(1)}, {.dtype = a.y.dtype(), .device = a.y.device()});
+  }
+
   int64_t k_;
 };
 
@@ -350,23 +396,23 @@ class MoeSlotDot final : public Primitive {
   explicit MoeSlotDot(int64_t k) : k_(k) {}
   const char* name() const override { return "moe_slot_dot"; }
   Attrs attrs() const override { return {{"k", k_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const bool cuda = on_cuda(name(), in);
-    const Tensor a = unit_cols(in[0]), b = unit_cols(in[1]), order = i64_contiguous(in[2]);
-    const int64_t tokens = a.size(0), h = a.size(1);
-    if (cuda) {
-      Tensor d = Tensor::empty({tokens, k_}, {.dtype = a.dtype(), .device = a.device()});
-      if (d.numel() == 0) return {d};
-      const Tensor slot_row = device_slot_row(order);
-      kernels::cuda::moe_slot_dot(a.dtype(), tokens, h, k_, slot_row.data<int64_t>(), a.data_ptr(), row_stride(a),
-                                  b.data_ptr(), row_stride(b), d.data_ptr(), stream_of(a));
-      return {d};
-    }
-    const std::vector<int64_t> slot_row = invert_order(name(), order);
-    Tensor d = Tensor::empty({tokens, k_}, {.dtype = a.dtype(), .device = a.device()});
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Inputs x = inputs(in);
+    const std::vector<int64_t> slot_row = invert_order(name(), x.order);
+    Tensor d = output_for(x);
+    if (d.numel() > 0)
+      kernels::cpu::moe_slot_dot(x.a.dtype(), x.a.size(0), x.a.size(1), k_, slot_row.data(), x.a.data_ptr(),
+                                 row_stride(x.a), x.b.data_ptr(), row_stride(x.b), d.data_ptr());
+    return {d};
+  }
+  // The order is not checked.
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Inputs x = inputs(in);
+    Tensor d = output_for(x);
     if (d.numel() == 0) return {d};
-    kernels::cpu::moe_slot_dot(a.dtype(), tokens, h, k_, slot_row.data(), a.data_ptr(), row_stride(a), b.data_ptr(),
-                               row_stride(b), d.data_ptr());
+    const Tensor slot_row = device_slot_row(x.order);
+    kernels::cuda::moe_slot_dot(x.a.dtype(), x.a.size(0), x.a.size(1), k_, slot_row.data<int64_t>(), x.a.data_ptr(),
+                                row_stride(x.a), x.b.data_ptr(), row_stride(x.b), d.data_ptr(), stream_of(x.a));
     return {d};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override {
@@ -382,6 +428,18 @@ class MoeSlotDot final : public Primitive {
   }
 
  private:
+  // a, b and order as the kernels read them.
+  struct Inputs {
+    Tensor a, b, order;
+  };
+  static Inputs inputs(const std::vector<Tensor>& in) {
+    return {unit_cols(in[0]), unit_cols(in[1]), i64_contiguous(in[2])};
+  }
+  // (T, k): one dot per slot.
+  Tensor output_for(const Inputs& x) const {
+    return Tensor::empty({x.a.size(0), k_}, {.dtype = x.a.dtype(), .device = x.a.device()});
+  }
+
   int64_t k_;
 };
 

@@ -42,6 +42,20 @@ Tensor from_rows_last(const Tensor& y, int64_t dim) {
 int64_t row_len(const Tensor& t) { return t.dim() == 0 ? 1 : t.size(-1); }
 Shape lead_shape(const Tensor& t) { return Shape(t.shape().begin(), t.shape().end() - 1); }
 
+// x's rows along a dim as the softmax kernels take them (rows_last), with an output like them.
+struct Rows {
+  Tensor x, out;
+  int64_t rows, cols;
+};
+Rows rows_of(const Tensor& x, int64_t dim) {
+  Rows r;
+  r.x = rows_last(x.detach(), dim);
+  r.out = Tensor::empty(r.x.shape(), {.dtype = r.x.dtype(), .device = r.x.device()});
+  r.cols = row_len(r.x);
+  r.rows = r.cols ? r.x.numel() / r.cols : 0;
+  return r;
+}
+
 void* stream_of(const Tensor& t) { return ops::stream_handle(t.device()); }
 
 bool is_index_dtype(DType d) { return d == DType::i32 || d == DType::i64; }
@@ -71,17 +85,17 @@ class Softmax final : public Primitive {
   Softmax(int64_t dim, bool log) : dim_(dim), log_(log) {}
   const char* name() const override { return log_ ? "log_softmax" : "softmax"; }
   Attrs attrs() const override { return {{"dim", dim_}, {"log", log_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor x = rows_last(in[0].detach(), dim_);
-    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
-    const int64_t cols = row_len(x), rows = cols ? x.numel() / cols : 0;
-    if (rows > 0) {
-      if (x.device().is_cpu())
-        kernels::cpu::softmax_forward(x.dtype(), y.data_ptr(), x.data_ptr(), rows, cols, log_);
-      else
-        kernels::cuda::softmax_forward(x.dtype(), y.data_ptr(), x.data_ptr(), rows, cols, log_, stream_of(x));
-    }
-    return {from_rows_last(y, dim_)};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Rows r = rows_of(in[0], dim_);
+    if (r.rows > 0) kernels::cpu::softmax_forward(r.x.dtype(), r.out.data_ptr(), r.x.data_ptr(), r.rows, r.cols, log_);
+    return {from_rows_last(r.out, dim_)};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Rows r = rows_of(in[0], dim_);
+    if (r.rows > 0)
+      kernels::cuda::softmax_forward(r.x.dtype(), r.out.data_ptr(), r.x.data_ptr(), r.rows, r.cols, log_,
+                                     stream_of(r.x));
+    return {from_rows_last(r.out, dim_)};
   }
   void save(const std::vector<Tensor>&, const std::vector<Tensor>& out) override { saved_ = {out[0].detach()}; }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
@@ -99,19 +113,21 @@ class SoftmaxBackward final : public Primitive {
   SoftmaxBackward(int64_t dim, bool log) : dim_(dim), log_(log) {}
   const char* name() const override { return log_ ? "log_softmax_backward" : "softmax_backward"; }
   Attrs attrs() const override { return {{"dim", dim_}, {"log", log_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor g = rows_last(in[0].detach(), dim_);
-    const Tensor y = rows_last(in[1].detach(), dim_);
-    Tensor gx = Tensor::empty(y.shape(), {.dtype = y.dtype(), .device = y.device()});
-    const int64_t cols = row_len(y), rows = cols ? y.numel() / cols : 0;
-    if (rows > 0) {
-      if (y.device().is_cpu())
-        kernels::cpu::softmax_backward(y.dtype(), gx.data_ptr(), g.data_ptr(), y.data_ptr(), rows, cols, log_);
-      else
-        kernels::cuda::softmax_backward(y.dtype(), gx.data_ptr(), g.data_ptr(), y.data_ptr(), rows, cols, log_,
-                                        stream_of(y));
-    }
-    return {from_rows_last(gx, dim_)};
+    const Rows y = rows_of(in[1], dim_);  // y.out: the gradient
+    if (y.rows > 0)
+      kernels::cpu::softmax_backward(y.x.dtype(), y.out.data_ptr(), g.data_ptr(), y.x.data_ptr(), y.rows, y.cols,
+                                     log_);
+    return {from_rows_last(y.out, dim_)};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor g = rows_last(in[0].detach(), dim_);
+    const Rows y = rows_of(in[1], dim_);
+    if (y.rows > 0)
+      kernels::cuda::softmax_backward(y.x.dtype(), y.out.data_ptr(), g.data_ptr(), y.x.data_ptr(), y.rows, y.cols,
+                                      log_, stream_of(y.x));
+    return {from_rows_last(y.out, dim_)};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
   // Linear in g, so its gradient w.r.t. g is the same map's adjoint. y is always a saved
@@ -165,21 +181,25 @@ class CrossEntropy final : public Primitive {
   explicit CrossEntropy(int64_t ignore) : ignore_(ignore) {}
   const char* name() const override { return "cross_entropy"; }
   Attrs attrs() const override { return {{"ignore_index", ignore_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor x = contiguous(in[0].detach());
     const Tensor t = contiguous(in[1].detach());
     const int64_t n = x.size(0), c = x.size(1);
-    // CPU targets are checked here; CUDA ones by the kernel, which reports a bad one on the
-    // device (the next synchronisation throws naming it), so the op does not sync. With no
-    // classes at all there is no kernel: every target must be ignored, checked here.
-    if (t.device().is_cpu() || c == 0) check_targets(t, c, ignore_);
-    if (x.device().is_cpu()) {
-      Tensor loss = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
-      lse_ = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
-      kernels::cpu::cross_entropy_forward(x.dtype(), loss.data_ptr(), x.data_ptr(), t.dtype(), t.data_ptr(), n, c,
-                                          ignore_, lse_.data_ptr());
-      return {loss};
-    }
+    check_targets(t, c, ignore_);
+    Tensor loss = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
+    lse_ = Tensor::empty({n}, {.dtype = stat_dtype(x.dtype())});
+    kernels::cpu::cross_entropy_forward(x.dtype(), loss.data_ptr(), x.data_ptr(), t.dtype(), t.data_ptr(), n, c,
+                                        ignore_, lse_.data_ptr());
+    return {loss};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor x = contiguous(in[0].detach());
+    const Tensor t = contiguous(in[1].detach());
+    const int64_t n = x.size(0), c = x.size(1);
+    // The kernel checks the targets and reports a bad one on the device (the next
+    // synchronisation throws naming it), so the op does not sync. With no classes at all there
+    // is no kernel: every target must be ignored, checked here.
+    if (c == 0) check_targets(t, c, ignore_);
     Tensor loss = Tensor::empty({n}, {.dtype = DType::f32, .device = x.device()});
     const Tensor t64 = contiguous(cast(t, DType::i64));
     if (n > 0 && c == 0) loss.zero_();  // every target was checked to be ignored
@@ -211,18 +231,24 @@ class CrossEntropyBackward final : public Primitive {
   CrossEntropyBackward(int64_t ignore, Tensor lse) : ignore_(ignore), lse_(std::move(lse)) {}
   const char* name() const override { return "cross_entropy_backward"; }
   Attrs attrs() const override { return {{"ignore_index", ignore_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor x = contiguous(in[1].detach());
     const Tensor t = contiguous(in[2].detach());
     const int64_t n = x.size(0), c = x.size(1);
     Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
-    if (x.device().is_cpu()) {
-      const Tensor g = contiguous(cast(in[0].detach(), stat_dtype(x.dtype())));
-      const bool use_lse = lse_.defined() && lse_.numel() == n && lse_.dtype() == stat_dtype(x.dtype()) &&
-                           lse_.device().is_cpu();
-      kernels::cpu::cross_entropy_backward(x.dtype(), gx.data_ptr(), x.data_ptr(), t.dtype(), t.data_ptr(),
-                                           g.data_ptr(), n, c, ignore_, use_lse ? lse_.data_ptr() : nullptr);
-    } else if (n > 0 && c > 0) {
+    const Tensor g = contiguous(cast(in[0].detach(), stat_dtype(x.dtype())));
+    const bool use_lse = lse_.defined() && lse_.numel() == n && lse_.dtype() == stat_dtype(x.dtype()) &&
+                         lse_.device().is_cpu();
+    kernels::cpu::cross_entropy_backward(x.dtype(), gx.data_ptr(), x.data_ptr(), t.dtype(), t.data_ptr(),
+                                         g.data_ptr(), n, c, ignore_, use_lse ? lse_.data_ptr() : nullptr);
+    return {gx};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor x = contiguous(in[1].detach());
+    const Tensor t = contiguous(in[2].detach());
+    const int64_t n = x.size(0), c = x.size(1);
+    Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+    if (n > 0 && c > 0) {
       const Tensor g = contiguous(cast(in[0].detach(), DType::f32));
       const Tensor t64 = contiguous(cast(t, DType::i64));
       kernels::cuda::cross_entropy_backward(x.dtype(), gx.data_ptr(), x.data_ptr(), t64.data<int64_t>(),
@@ -265,19 +291,17 @@ class RmsNorm final : public Primitive {
  public:
   RmsNorm(double eps, bool has_weight) : eps_(eps), has_w_(has_weight) {}
   const char* name() const override { return "rms_norm"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor x = contiguous(in[0].detach());
-    const Tensor w = has_w_ ? contiguous(in[1].detach()) : Tensor();
-    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
-    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
-    Tensor rstd = Tensor::empty(lead_shape(x), {.dtype = stat_dtype(x.dtype()), .device = x.device()});
-    if (x.device().is_cpu())
-      kernels::cpu::rms_norm_forward(x.dtype(), y.data_ptr(), rstd.data_ptr(), x.data_ptr(),
-                                     has_w_ ? w.data_ptr() : nullptr, rows, cols, eps_);
-    else
-      kernels::cuda::rms_norm_forward(x.dtype(), y.data_ptr(), rstd.data_ptr(), x.data_ptr(),
-                                      has_w_ ? w.data_ptr() : nullptr, rows, cols, eps_, stream_of(x));
-    return {y, rstd};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    kernels::cpu::rms_norm_forward(b.x.dtype(), b.y.data_ptr(), b.rstd.data_ptr(), b.x.data_ptr(),
+                                   has_w_ ? b.w.data_ptr() : nullptr, b.rows, b.cols, eps_);
+    return {b.y, b.rstd};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    kernels::cuda::rms_norm_forward(b.x.dtype(), b.y.data_ptr(), b.rstd.data_ptr(), b.x.data_ptr(),
+                                    has_w_ ? b.w.data_ptr() : nullptr, b.rows, b.cols, eps_, stream_of(b.x));
+    return {b.y, b.rstd};
   }
   bool differentiable_output(size_t i, const Tensor&) const override { return i == 0; }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
@@ -286,6 +310,22 @@ class RmsNorm final : public Primitive {
   std::vector<Tensor> backward(const BackwardContext& ctx) override;
 
  private:
+  // The inputs as the kernels read them (contiguous) and the outputs (y, rstd).
+  struct Buffers {
+    Tensor x, w, y, rstd;
+    int64_t rows, cols;
+  };
+  Buffers buffers(const std::vector<Tensor>& in) const {
+    Buffers b;
+    b.x = contiguous(in[0].detach());
+    b.w = has_w_ ? contiguous(in[1].detach()) : Tensor();
+    b.cols = b.x.size(-1);
+    b.rows = numel_of(lead_shape(b.x));
+    b.y = Tensor::empty(b.x.shape(), {.dtype = b.x.dtype(), .device = b.x.device()});
+    b.rstd = Tensor::empty(lead_shape(b.x), {.dtype = stat_dtype(b.x.dtype()), .device = b.x.device()});
+    return b;
+  }
+
   double eps_;
   bool has_w_;
 };
@@ -295,26 +335,44 @@ class RmsNormBackward final : public Primitive {
  public:
   RmsNormBackward(bool has_weight, bool want_gw) : has_w_(has_weight), want_gw_(want_gw) {}
   const char* name() const override { return "rms_norm_backward"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor g = contiguous(in[0].detach());
-    const Tensor x = contiguous(in[1].detach());
-    const Tensor w = has_w_ ? contiguous(in[2].detach()) : Tensor();
-    const Tensor rstd = contiguous(in[has_w_ ? 3 : 2].detach());
-    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
-    Tensor gx = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
-    Tensor gw = want_gw_ ? Tensor::empty({cols}, {.dtype = x.dtype(), .device = x.device()}) : Tensor();
-    if (x.device().is_cpu())
-      kernels::cpu::rms_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr, g.data_ptr(),
-                                      x.data_ptr(), has_w_ ? w.data_ptr() : nullptr, rstd.data_ptr(), rows, cols);
-    else
-      kernels::cuda::rms_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr, g.data_ptr(),
-                                       x.data_ptr(), has_w_ ? w.data_ptr() : nullptr, rstd.data_ptr(), rows, cols,
-                                       stream_of(x));
-    if (want_gw_) return {gx, gw};
-    return {gx};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    kernels::cpu::rms_norm_backward(b.x.dtype(), b.gx.data_ptr(), want_gw_ ? b.gw.data_ptr() : nullptr, b.g.data_ptr(),
+                                    b.x.data_ptr(), has_w_ ? b.w.data_ptr() : nullptr, b.rstd.data_ptr(), b.rows,
+                                    b.cols);
+    return outputs(b);
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    kernels::cuda::rms_norm_backward(b.x.dtype(), b.gx.data_ptr(), want_gw_ ? b.gw.data_ptr() : nullptr,
+                                     b.g.data_ptr(), b.x.data_ptr(), has_w_ ? b.w.data_ptr() : nullptr,
+                                     b.rstd.data_ptr(), b.rows, b.cols, stream_of(b.x));
+    return outputs(b);
   }
 
  private:
+  // The inputs as the kernels read them (contiguous) and the gradients they write.
+  struct Buffers {
+    Tensor g, x, w, rstd, gx, gw;
+    int64_t rows, cols;
+  };
+  Buffers buffers(const std::vector<Tensor>& in) const {
+    Buffers b;
+    b.g = contiguous(in[0].detach());
+    b.x = contiguous(in[1].detach());
+    b.w = has_w_ ? contiguous(in[2].detach()) : Tensor();
+    b.rstd = contiguous(in[has_w_ ? 3 : 2].detach());
+    b.cols = b.x.size(-1);
+    b.rows = numel_of(lead_shape(b.x));
+    b.gx = Tensor::empty(b.x.shape(), {.dtype = b.x.dtype(), .device = b.x.device()});
+    b.gw = want_gw_ ? Tensor::empty({b.cols}, {.dtype = b.x.dtype(), .device = b.x.device()}) : Tensor();
+    return b;
+  }
+  std::vector<Tensor> outputs(const Buffers& b) const {
+    if (want_gw_) return {b.gx, b.gw};
+    return {b.gx};
+  }
+
   bool has_w_, want_gw_;
 };
 
@@ -339,7 +397,7 @@ class AddRmsNorm final : public Primitive {
  public:
   AddRmsNorm(double eps, bool has_w) : eps_(eps), has_w_(has_w) {}
   const char* name() const override { return "add_rms_norm"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor x = contiguous(in[0].detach());
     const Tensor r = contiguous(in[1].detach());
     const Tensor w = has_w_ ? contiguous(in[2].detach()) : Tensor();
@@ -368,7 +426,7 @@ class AddRmsNormBackward final : public Primitive {
  public:
   AddRmsNormBackward(bool has_gh, bool has_w, bool want_gw) : has_gh_(has_gh), has_w_(has_w), want_gw_(want_gw) {}
   const char* name() const override { return "add_rms_norm_backward"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     size_t k = 0;
     const Tensor g = contiguous(in[k++].detach());
     const Tensor gh = has_gh_ ? contiguous(in[k++].detach()) : Tensor();
@@ -420,7 +478,7 @@ std::vector<Tensor> AddRmsNorm::backward(const BackwardContext& ctx) {
 class SwigluBackward final : public Primitive {
  public:
   const char* name() const override { return "swiglu_backward"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor g = contiguous(in[0].detach());
     const Tensor gate = contiguous(in[1].detach());
     const Tensor up = contiguous(in[2].detach());
@@ -436,7 +494,7 @@ class SwigluBackward final : public Primitive {
 class Swiglu final : public Primitive {
  public:
   const char* name() const override { return "swiglu"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor gate = contiguous(in[0].detach());
     const Tensor up = contiguous(in[1].detach());
     Tensor out = Tensor::empty(gate.shape(), {.dtype = gate.dtype()});
@@ -461,7 +519,7 @@ class Rope final : public Primitive {
  public:
   Rope(Tensor cos, Tensor sin, bool inverse) : cos_(std::move(cos)), sin_(std::move(sin)), inverse_(inverse) {}
   const char* name() const override { return inverse_ ? "rotary_embedding_backward" : "rotary_embedding"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     Tensor x = in[0].detach();
     if (x.dim() > 0 && x.stride(-1) != 1) x = contiguous(x);
     const int64_t nd = x.dim(), lead = nd - 1;
@@ -499,24 +557,19 @@ class LayerNorm final : public Primitive {
  public:
   LayerNorm(double eps, bool has_w, bool has_b) : eps_(eps), has_w_(has_w), has_b_(has_b) {}
   const char* name() const override { return "layer_norm"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor x = contiguous(in[0].detach());
-    const Tensor w = has_w_ ? contiguous(in[1].detach()) : Tensor();
-    const Tensor b = has_b_ ? contiguous(in[has_w_ ? 2 : 1].detach()) : Tensor();
-    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
-    const TensorOptions stat{.dtype = stat_dtype(x.dtype()), .device = x.device()};
-    Tensor y = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
-    Tensor mean = Tensor::empty(lead_shape(x), stat);
-    Tensor rstd = Tensor::empty(lead_shape(x), stat);
-    if (x.device().is_cpu())
-      kernels::cpu::layer_norm_forward(x.dtype(), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), x.data_ptr(),
-                                       has_w_ ? w.data_ptr() : nullptr, has_b_ ? b.data_ptr() : nullptr, rows, cols,
-                                       eps_);
-    else
-      kernels::cuda::layer_norm_forward(x.dtype(), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), x.data_ptr(),
-                                        has_w_ ? w.data_ptr() : nullptr, has_b_ ? b.data_ptr() : nullptr, rows,
-                                        cols, eps_, stream_of(x));
-    return {y, mean, rstd};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Buffers t = buffers(in);
+    kernels::cpu::layer_norm_forward(t.x.dtype(), t.y.data_ptr(), t.mean.data_ptr(), t.rstd.data_ptr(), t.x.data_ptr(),
+                                     has_w_ ? t.w.data_ptr() : nullptr, has_b_ ? t.b.data_ptr() : nullptr, t.rows,
+                                     t.cols, eps_);
+    return {t.y, t.mean, t.rstd};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Buffers t = buffers(in);
+    kernels::cuda::layer_norm_forward(t.x.dtype(), t.y.data_ptr(), t.mean.data_ptr(), t.rstd.data_ptr(),
+                                      t.x.data_ptr(), has_w_ ? t.w.data_ptr() : nullptr,
+                                      has_b_ ? t.b.data_ptr() : nullptr, t.rows, t.cols, eps_, stream_of(t.x));
+    return {t.y, t.mean, t.rstd};
   }
   bool differentiable_output(size_t i, const Tensor&) const override { return i == 0; }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
@@ -525,6 +578,25 @@ class LayerNorm final : public Primitive {
   std::vector<Tensor> backward(const BackwardContext& ctx) override;
 
  private:
+  // The inputs as the kernels read them (contiguous) and the outputs (y, mean, rstd).
+  struct Buffers {
+    Tensor x, w, b, y, mean, rstd;
+    int64_t rows, cols;
+  };
+  Buffers buffers(const std::vector<Tensor>& in) const {
+    Buffers t;
+    t.x = contiguous(in[0].detach());
+    t.w = has_w_ ? contiguous(in[1].detach()) : Tensor();
+    t.b = has_b_ ? contiguous(in[has_w_ ? 2 : 1].detach()) : Tensor();
+    t.cols = t.x.size(-1);
+    t.rows = numel_of(lead_shape(t.x));
+    const TensorOptions stat{.dtype = stat_dtype(t.x.dtype()), .device = t.x.device()};
+    t.y = Tensor::empty(t.x.shape(), {.dtype = t.x.dtype(), .device = t.x.device()});
+    t.mean = Tensor::empty(lead_shape(t.x), stat);
+    t.rstd = Tensor::empty(lead_shape(t.x), stat);
+    return t;
+  }
+
   double eps_;
   bool has_w_, has_b_;
 };
@@ -534,31 +606,46 @@ class LayerNormBackward final : public Primitive {
  public:
   LayerNormBackward(bool has_w, bool want_gw, bool want_gb) : has_w_(has_w), want_gw_(want_gw), want_gb_(want_gb) {}
   const char* name() const override { return "layer_norm_backward"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor g = contiguous(in[0].detach());
-    const Tensor x = contiguous(in[1].detach());
-    const size_t k = has_w_ ? 3 : 2;
-    const Tensor w = has_w_ ? contiguous(in[2].detach()) : Tensor();
-    const Tensor mean = contiguous(in[k].detach());
-    const Tensor rstd = contiguous(in[k + 1].detach());
-    const int64_t cols = x.size(-1), rows = numel_of(lead_shape(x));
-    const TensorOptions like_x{.dtype = x.dtype(), .device = x.device()};
-    Tensor gx = Tensor::empty(x.shape(), like_x);
-    Tensor gw = want_gw_ ? Tensor::empty({cols}, like_x) : Tensor();
-    Tensor gb = want_gb_ ? Tensor::empty({cols}, like_x) : Tensor();
-    if (x.device().is_cpu())
-      kernels::cpu::layer_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr,
-                                        want_gb_ ? gb.data_ptr() : nullptr, g.data_ptr(), x.data_ptr(),
-                                        has_w_ ? w.data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(), rows, cols);
-    else
-      kernels::cuda::layer_norm_backward(x.dtype(), gx.data_ptr(), want_gw_ ? gw.data_ptr() : nullptr,
-                                         want_gb_ ? gb.data_ptr() : nullptr, g.data_ptr(), x.data_ptr(),
-                                         has_w_ ? w.data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(), rows,
-                                         cols, stream_of(x));
-    return {gx, gw, gb};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Buffers t = buffers(in);
+    kernels::cpu::layer_norm_backward(t.x.dtype(), t.gx.data_ptr(), want_gw_ ? t.gw.data_ptr() : nullptr,
+                                      want_gb_ ? t.gb.data_ptr() : nullptr, t.g.data_ptr(), t.x.data_ptr(),
+                                      has_w_ ? t.w.data_ptr() : nullptr, t.mean.data_ptr(), t.rstd.data_ptr(), t.rows,
+                                      t.cols);
+    return {t.gx, t.gw, t.gb};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Buffers t = buffers(in);
+    kernels::cuda::layer_norm_backward(t.x.dtype(), t.gx.data_ptr(), want_gw_ ? t.gw.data_ptr() : nullptr,
+                                       want_gb_ ? t.gb.data_ptr() : nullptr, t.g.data_ptr(), t.x.data_ptr(),
+                                       has_w_ ? t.w.data_ptr() : nullptr, t.mean.data_ptr(), t.rstd.data_ptr(), t.rows,
+                                       t.cols, stream_of(t.x));
+    return {t.gx, t.gw, t.gb};
   }
 
  private:
+  // The inputs as the kernels read them (contiguous) and the gradients they write.
+  struct Buffers {
+    Tensor g, x, w, mean, rstd, gx, gw, gb;
+    int64_t rows, cols;
+  };
+  Buffers buffers(const std::vector<Tensor>& in) const {
+    Buffers t;
+    t.g = contiguous(in[0].detach());
+    t.x = contiguous(in[1].detach());
+    const size_t k = has_w_ ? 3 : 2;
+    t.w = has_w_ ? contiguous(in[2].detach()) : Tensor();
+    t.mean = contiguous(in[k].detach());
+    t.rstd = contiguous(in[k + 1].detach());
+    t.cols = t.x.size(-1);
+    t.rows = numel_of(lead_shape(t.x));
+    const TensorOptions like_x{.dtype = t.x.dtype(), .device = t.x.device()};
+    t.gx = Tensor::empty(t.x.shape(), like_x);
+    t.gw = want_gw_ ? Tensor::empty({t.cols}, like_x) : Tensor();
+    t.gb = want_gb_ ? Tensor::empty({t.cols}, like_x) : Tensor();
+    return t;
+  }
+
   bool has_w_, want_gw_, want_gb_;
 };
 
@@ -602,34 +689,46 @@ Tensor embedding_backward_op(const Tensor& g, const Tensor& indices, int64_t voc
 class Embedding final : public Primitive {
  public:
   const char* name() const override { return "embedding"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor w = contiguous(in[0].detach());
-    const Tensor idx = contiguous(in[1].detach());
-    const int64_t vocab = w.size(0), dim = w.size(1);
-    Shape os = idx.shape();
-    os.push_back(dim);
-    Tensor out = Tensor::empty(os, {.dtype = w.dtype(), .device = w.device()});
-    if (!w.device().is_cpu()) {
-      // Checked by the kernel, not here (a host check would copy the indices back and sync every
-      // forward): an out-of-range index yields a zero row (and no gradient) and is reported on
-      // the device, so the next synchronisation throws naming it.
-      kernels::cuda::embedding_forward(w.dtype(), out.data_ptr(), w.data_ptr(), idx.dtype(), idx.data_ptr(),
-                                       idx.numel(), vocab, dim, stream_of(w));
-      return {out};
-    }
-    scan_indices(idx, [&](const auto* p, int64_t n) {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    const int64_t vocab = b.w.size(0);
+    scan_indices(b.idx, [&](const auto* p, int64_t n) {
       for (int64_t i = 0; i < n; ++i)
         if (p[i] < 0 || int64_t(p[i]) >= vocab)
           fail("[embedding] index ", int64_t(p[i]), " at position ", i, " is out of range for a vocabulary of ",
-               vocab, " rows (weight ", w.shape(), ")");
+               vocab, " rows (weight ", b.w.shape(), ")");
     });
-    kernels::cpu::embedding_forward(w.dtype(), out.data_ptr(), w.data_ptr(), idx.dtype(), idx.data_ptr(),
-                                    idx.numel(), dim);
-    return {out};
+    kernels::cpu::embedding_forward(b.w.dtype(), b.out.data_ptr(), b.w.data_ptr(), b.idx.dtype(), b.idx.data_ptr(),
+                                    b.idx.numel(), b.w.size(1));
+    return {b.out};
+  }
+  // The kernel checks the indices, not the host (which would copy them back and sync every
+  // forward): an out-of-range index yields a zero row (and no gradient) and is reported on the
+  // device, so the next synchronisation throws naming it.
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    kernels::cuda::embedding_forward(b.w.dtype(), b.out.data_ptr(), b.w.data_ptr(), b.idx.dtype(), b.idx.data_ptr(),
+                                     b.idx.numel(), b.w.size(0), b.w.size(1), stream_of(b.w));
+    return {b.out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
     return {embedding_backward_op(ctx.grads[0], saved_[0], ctx.inputs[0].shape[0]), Tensor()};
+  }
+
+ private:
+  // The weight and indices as the kernels read them (contiguous) and the output (*, D).
+  struct Buffers {
+    Tensor w, idx, out;
+  };
+  static Buffers buffers(const std::vector<Tensor>& in) {
+    Buffers b;
+    b.w = contiguous(in[0].detach());
+    b.idx = contiguous(in[1].detach());
+    Shape os = b.idx.shape();
+    os.push_back(b.w.size(1));
+    b.out = Tensor::empty(os, {.dtype = b.w.dtype(), .device = b.w.device()});
+    return b;
   }
 };
 
@@ -639,18 +738,17 @@ class EmbeddingBackward final : public Primitive {
   explicit EmbeddingBackward(int64_t vocab) : vocab_(vocab) {}
   const char* name() const override { return "embedding_backward"; }
   Attrs attrs() const override { return {{"vocab", vocab_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor g = contiguous(in[0].detach());
-    const Tensor idx = contiguous(in[1].detach());
-    const int64_t dim = g.size(-1);
-    Tensor gw = Tensor::empty({vocab_, dim}, {.dtype = g.dtype(), .device = g.device()});
-    if (g.device().is_cpu())
-      kernels::cpu::embedding_backward(g.dtype(), gw.data_ptr(), g.data_ptr(), idx.dtype(), idx.data_ptr(),
-                                       idx.numel(), vocab_, dim);
-    else
-      kernels::cuda::embedding_backward(g.dtype(), gw.data_ptr(), g.data_ptr(), idx.dtype(), idx.data_ptr(),
-                                        idx.numel(), vocab_, dim, stream_of(g));
-    return {gw};
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    kernels::cpu::embedding_backward(b.g.dtype(), b.gw.data_ptr(), b.g.data_ptr(), b.idx.dtype(), b.idx.data_ptr(),
+                                     b.idx.numel(), vocab_, b.g.size(-1));
+    return {b.gw};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Buffers b = buffers(in);
+    kernels::cuda::embedding_backward(b.g.dtype(), b.gw.data_ptr(), b.g.data_ptr(), b.idx.dtype(), b.idx.data_ptr(),
+                                      b.idx.numel(), vocab_, b.g.size(-1), stream_of(b.g));
+    return {b.gw};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>&) override { saved_ = {in[1].detach()}; }
   // Linear in g: its adjoint gathers the rows again.
@@ -659,6 +757,18 @@ class EmbeddingBackward final : public Primitive {
   }
 
  private:
+  // g and the indices as the kernels read them (contiguous) and the weight's gradient (V, D).
+  struct Buffers {
+    Tensor g, idx, gw;
+  };
+  Buffers buffers(const std::vector<Tensor>& in) const {
+    Buffers b;
+    b.g = contiguous(in[0].detach());
+    b.idx = contiguous(in[1].detach());
+    b.gw = Tensor::empty({vocab_, b.g.size(-1)}, {.dtype = b.g.dtype(), .device = b.g.device()});
+    return b;
+  }
+
   int64_t vocab_;
 };
 
@@ -682,12 +792,14 @@ class Dropout final : public Primitive {
  public:
   Dropout(double p, RngKey key) : p_(p), key_(key) {}
   const char* name() const override { return "dropout"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor x = contiguous(in[0].detach());  // the mask follows the row-major index
-    if (!x.device().is_cpu()) return {dropout_composite(x, p_, key_)};
     Tensor out = Tensor::empty(x.shape(), {.dtype = x.dtype()});
     kernels::cpu::dropout(x.dtype(), out.data_ptr(), x.data_ptr(), x.numel(), p_, key_.seed, key_.key);
     return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    return {dropout_composite(contiguous(in[0].detach()), p_, key_)};
   }
   // Same key, same mask: the gradient is dropout of the incoming gradient.
   std::vector<Tensor> backward(const BackwardContext& ctx) override {

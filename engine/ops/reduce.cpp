@@ -40,8 +40,8 @@ Shape reduced_shape(const Shape& shape, const Shape& dims, bool keepdim) {
   return out;
 }
 
-// Runs the kernel: `out` is contiguous with the kept dims of x (any keepdim form).
-void run_reduce(ReduceOp op, const Tensor& x, const Shape& dims, Tensor& out) {
+// The kernel's loop: `out` is contiguous with the kept dims of x (any keepdim form).
+kernels::ReduceLoop reduce_loop(const Tensor& x, const Shape& dims, Tensor& out) {
   kernels::ReduceLoop l;
   const Shape ost = contiguous_strides(reduced_shape(x.shape(), dims, false));
   size_t k = 0;
@@ -68,8 +68,7 @@ void run_reduce(ReduceOp op, const Tensor& x, const Shape& dims, Tensor& out) {
   // A reduced dim could be split from its run when non-reduced size-1 dims sat between.
   l.out = out.data_ptr();
   l.in = x.data_ptr();
-  if (x.device().is_cpu()) kernels::cpu::reduce(op, x.dtype(), out.dtype(), l);
-  else kernels::cuda::reduce(op, x.dtype(), out.dtype(), l, ops::stream_handle(x.device()));
+  return l;
 }
 
 class Reduce final : public Primitive {
@@ -85,18 +84,17 @@ class Reduce final : public Primitive {
     }
     return "reduce";
   }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
-    DType odt = x.dtype();
-    if (op_ == ReduceOp::argmax) odt = DType::i64;
-    else if ((op_ == ReduceOp::sum || op_ == ReduceOp::sum_squares) && !is_floating(x.dtype())) odt = DType::i64;
-    if (op_ == ReduceOp::max || op_ == ReduceOp::min) {
-      for (int64_t d : dims_)
-        QUILT_CHECK(x.shape()[size_t(d)] > 0, "[", name(), "] cannot reduce an empty dim ", d, " of shape ", x.shape());
-    }
-    QUILT_CHECK(op_ != ReduceOp::argmax || x.numel() > 0, "[argmax] of an empty tensor");
-    Tensor out = Tensor::empty(reduced_shape(x.shape(), dims_, keepdim_), {.dtype = odt, .device = x.device()});
-    if (out.numel() > 0) run_reduce(op_, x, dims_, out);
+    Tensor out = output_for(x);
+    if (out.numel() > 0) kernels::cpu::reduce(op_, x.dtype(), out.dtype(), reduce_loop(x, dims_, out));
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor& x = in[0];
+    Tensor out = output_for(x);
+    if (out.numel() > 0)
+      kernels::cuda::reduce(op_, x.dtype(), out.dtype(), reduce_loop(x, dims_, out), ops::stream_handle(x.device()));
     return {out};
   }
   void save(const std::vector<Tensor>& in, const std::vector<Tensor>& out) override {
@@ -125,6 +123,19 @@ class Reduce final : public Primitive {
   Attrs attrs() const override { return {{"dims", dims_}, {"keepdim", keepdim_}}; }
 
  private:
+  // Checks that x can be reduced over dims_ and allocates the output.
+  Tensor output_for(const Tensor& x) const {
+    DType odt = x.dtype();
+    if (op_ == ReduceOp::argmax) odt = DType::i64;
+    else if ((op_ == ReduceOp::sum || op_ == ReduceOp::sum_squares) && !is_floating(x.dtype())) odt = DType::i64;
+    if (op_ == ReduceOp::max || op_ == ReduceOp::min) {
+      for (int64_t d : dims_)
+        QUILT_CHECK(x.shape()[size_t(d)] > 0, "[", name(), "] cannot reduce an empty dim ", d, " of shape ", x.shape());
+    }
+    QUILT_CHECK(op_ != ReduceOp::argmax || x.numel() > 0, "[argmax] of an empty tensor");
+    return Tensor::empty(reduced_shape(x.shape(), dims_, keepdim_), {.dtype = odt, .device = x.device()});
+  }
+
   ReduceOp op_;
   Shape dims_;
   bool keepdim_;

@@ -29,16 +29,16 @@ class Unary final : public Primitive {
   explicit Unary(UnaryOp op) : op_(op) {}
   const char* name() const override { return kernels::op_name(op_); }
 
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
-    QUILT_CHECK(!needs_floating(op_) || is_floating(x.dtype()), "[", name(), "] needs a floating tensor, got ",
-                dtype_name(x.dtype()));
-    QUILT_CHECK(op_ == UnaryOp::logical_not || x.dtype() != DType::b8, "[", name(), "] is not defined for bool tensors");
-    const DType odt = op_ == UnaryOp::logical_not ? DType::b8 : x.dtype();
-    Tensor out = Tensor::empty(x.shape(), {.dtype = odt, .device = x.device()});
-    auto loop = ops::loop_over<2>(x.shape(), {&out, &x});
-    if (x.device().is_cpu()) kernels::cpu::unary(op_, x.dtype(), loop);
-    else kernels::cuda::unary(op_, x.dtype(), loop, ops::stream_handle(x.device()));
+    Tensor out = output_for(x);
+    kernels::cpu::unary(op_, x.dtype(), ops::loop_over<2>(x.shape(), {&out, &x}));
+    return {out};
+  }
+  std::vector<Tensor> forward_cuda(const std::vector<Tensor>& in) override {
+    const Tensor& x = in[0];
+    Tensor out = output_for(x);
+    kernels::cuda::unary(op_, x.dtype(), ops::loop_over<2>(x.shape(), {&out, &x}), ops::stream_handle(x.device()));
     return {out};
   }
 
@@ -74,6 +74,15 @@ class Unary final : public Primitive {
   }
 
  private:
+  // Checks x's dtype for the op and allocates the output.
+  Tensor output_for(const Tensor& x) const {
+    QUILT_CHECK(!needs_floating(op_) || is_floating(x.dtype()), "[", name(), "] needs a floating tensor, got ",
+                dtype_name(x.dtype()));
+    QUILT_CHECK(op_ == UnaryOp::logical_not || x.dtype() != DType::b8, "[", name(), "] is not defined for bool tensors");
+    const DType odt = op_ == UnaryOp::logical_not ? DType::b8 : x.dtype();
+    return Tensor::empty(x.shape(), {.dtype = odt, .device = x.device()});
+  }
+
   UnaryOp op_;
 };
 

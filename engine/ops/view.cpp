@@ -71,11 +71,11 @@ Shape infer_shape(const Shape& shape, int64_t numel, const char* op, const Shape
   return out;
 }
 
-class View final : public Primitive {
+class View final : public AnyDevicePrimitive {
  public:
   explicit View(Shape shape) : shape_(std::move(shape)) {}
   const char* name() const override { return "view"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
     auto st = view_strides(x.shape(), x.strides(), shape_);
     QUILT_CHECK(st.has_value(), "[view] shape ", x.shape(), " with strides ", x.strides(),
@@ -89,11 +89,11 @@ class View final : public Primitive {
   Shape shape_;
 };
 
-class Permute final : public Primitive {
+class Permute final : public AnyDevicePrimitive {
  public:
   explicit Permute(Shape dims) : dims_(std::move(dims)) {}
   const char* name() const override { return "permute"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
     Shape sh(dims_.size()), st(dims_.size());
     for (size_t i = 0; i < dims_.size(); ++i) {
@@ -113,11 +113,11 @@ class Permute final : public Primitive {
   Shape dims_;
 };
 
-class Expand final : public Primitive {
+class Expand final : public AnyDevicePrimitive {
  public:
   explicit Expand(Shape shape) : shape_(std::move(shape)) {}
   const char* name() const override { return "expand"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
     return {alias(x, shape_, ops::broadcast_strides(x, shape_), x.offset())};
   }
@@ -130,13 +130,13 @@ class Expand final : public Primitive {
 
 // The adjoint of slice: zeros of the input's shape with the gradient in the window. An op of
 // its own so a distributed gradient routes through the dispatcher (rule: dtensor/rules/view.cpp).
-class SliceBackward final : public Primitive {
+class SliceBackward final : public AnyDevicePrimitive {
  public:
   SliceBackward(Shape shape, int64_t dim, int64_t start, int64_t step)
       : shape_(std::move(shape)), dim_(dim), start_(start), step_(step) {}
   const char* name() const override { return "slice_backward"; }
   Attrs attrs() const override { return {{"shape", shape_}, {"dim", dim_}, {"start", start_}, {"step", step_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     const Tensor& g = in[0];
     Tensor out = zeros(shape_, {.dtype = g.dtype(), .device = g.device()});
     const int64_t len = g.size(dim_);
@@ -157,12 +157,12 @@ class SliceBackward final : public Primitive {
   int64_t dim_, start_, step_;
 };
 
-class Slice final : public Primitive {
+class Slice final : public AnyDevicePrimitive {
  public:
   Slice(int64_t dim, int64_t start, int64_t len, int64_t step) : dim_(dim), start_(start), len_(len), step_(step) {}
   const char* name() const override { return "slice"; }
   Attrs attrs() const override { return {{"dim", dim_}, {"start", start_}, {"length", len_}, {"step", step_}}; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
     Shape sh = x.shape(), st = x.strides();
     const int64_t off = x.offset() + (len_ > 0 ? start_ * st[size_t(dim_)] : 0);
@@ -179,11 +179,11 @@ class Slice final : public Primitive {
 };
 
 // Contiguous copy, cast and device transfer share one primitive.
-class Copy final : public Primitive {
+class Copy final : public AnyDevicePrimitive {
  public:
   Copy(DType dtype, Device device, const char* name) : dtype_(dtype), device_(device), name_(name) {}
   const char* name() const override { return name_; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     Tensor out = Tensor::empty(in[0].shape(), {.dtype = dtype_, .device = device_});
     out.copy_(in[0]);
     return {out};

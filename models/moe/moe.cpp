@@ -16,11 +16,11 @@ namespace {
 // The y = x identity whose backward also starts the gradient of a scalar loss computed
 // beside it (the balance loss), so that loss reaches the router without being an output of
 // the model — also inside an activation-checkpointed block, where it is recomputed.
-class AddAuxLoss final : public Primitive {
+class AddAuxLoss final : public AnyDevicePrimitive {
  public:
   explicit AddAuxLoss(double scale) : scale_(scale) {}
   const char* name() const override { return "moe_add_aux_loss"; }
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override { return {in[0]}; }
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override { return {in[0]}; }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
     Tensor g_aux;
     if (ctx.needs[1]) g_aux = full(ctx.inputs[1].shape, scale_, {.dtype = ctx.inputs[1].dtype});
