@@ -6,9 +6,18 @@
 #include <cstdint>
 #include <string_view>
 
+#include "kernels/host_device.h"
+
 namespace quilt::kernels {
 
 inline constexpr int kMaxDims = 16;
+
+/// Elements of a shape: the product of shape[0, ndim) (1 for ndim 0).
+constexpr int64_t shape_numel(int ndim, const int64_t* shape) {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
 
 template <int N>
 struct Loop {
@@ -16,11 +25,7 @@ struct Loop {
   int64_t shape[kMaxDims] = {};      // outermost first
   int64_t strides[N][kMaxDims] = {};
   void* data[N] = {};
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int d = 0; d < ndim; ++d) n *= shape[d];
-    return n;
-  }
+  int64_t numel() const { return shape_numel(ndim, shape); }
   /// True when every operand is a flat run of stride 1 (or there is at most one element).
   bool contiguous() const {
     if (ndim == 0) return true;
@@ -127,6 +132,17 @@ struct RandomArgs {
   int64_t offsets[kMaxDims] = {};
   uint64_t seed = 0, key = 0;
   double a = 0, b = 1;  // uniform: [a, b); normal: mean a, std b
+  int64_t numel() const { return shape_numel(ndim, shape); }
+  /// Linear index in the whole tensor of the block's element i (row-major within the block).
+  QUILT_HD uint64_t global_index(int64_t i) const {
+    uint64_t g = 0;
+    for (int d = ndim - 1; d >= 0; --d) {
+      const int64_t idx = i % shape[d];
+      i /= shape[d];
+      g += static_cast<uint64_t>(idx + offsets[d]) * static_cast<uint64_t>(global_strides[d]);
+    }
+    return g;
+  }
 };
 
 }  // namespace quilt::kernels

@@ -4,11 +4,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define QUILT_HD __host__ __device__ __forceinline__
-#else
-#define QUILT_HD inline
-#endif
+#include "kernels/host_device.h"
 
 namespace quilt::kernels {
 

@@ -76,6 +76,38 @@ static void BM_silu(benchmark::State& state) {
 }
 BENCHMARK(BM_silu)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// bf16 has no Eigen form: the per-element formula runs with a conversion on each side.
+static void BM_gelu_bf16(benchmark::State& state) {
+  Tensor a = randn({kN}, RngKey(0, "a")).to(DType::bf16);
+  for (auto _ : state) {
+    Tensor c = gelu(a);
+    benchmark::DoNotOptimize(c.data_ptr());
+  }
+  bench::set_bandwidth(state, 2.0 * kN * 2);
+}
+BENCHMARK(BM_gelu_bf16)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+static void BM_maximum(benchmark::State& state) {
+  Tensor a = randn({kN}, RngKey(0, "a")), b = randn({kN}, RngKey(0, "b"));
+  for (auto _ : state) {
+    Tensor c = maximum(a, b);
+    benchmark::DoNotOptimize(c.data_ptr());
+  }
+  bench::set_bandwidth(state, 3.0 * kN * 4);
+}
+BENCHMARK(BM_maximum)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+static void BM_where(benchmark::State& state) {
+  Tensor a = randn({kN}, RngKey(0, "a")), b = randn({kN}, RngKey(0, "b"));
+  Tensor cond = gt(a, b);
+  for (auto _ : state) {
+    Tensor c = where(cond, a, b);
+    benchmark::DoNotOptimize(c.data_ptr());
+  }
+  bench::set_bandwidth(state, double(kN) * (1 + 4 + 4 + 4));
+}
+BENCHMARK(BM_where)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 static void BM_cast_f32_to_bf16(benchmark::State& state) {
   Tensor a = randn({kN}, RngKey(0, "a"));
   for (auto _ : state) {
@@ -125,5 +157,15 @@ static void BM_sum_cols(benchmark::State& state) {
   bench::set_bandwidth(state, double(kN) * 4);
 }
 BENCHMARK(BM_sum_cols)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+static void BM_max_cols(benchmark::State& state) {
+  Tensor a = randn({kN / 4096, 4096}, RngKey(0, "a"));
+  for (auto _ : state) {
+    Tensor s = max(a, {0});
+    benchmark::DoNotOptimize(s.data_ptr());
+  }
+  bench::set_bandwidth(state, double(kN) * 4);
+}
+BENCHMARK(BM_max_cols)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

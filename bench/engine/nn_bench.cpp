@@ -78,4 +78,16 @@ static void BM_adamw_step(benchmark::State& state) {
 }
 BENCHMARK(BM_adamw_step)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// One SGD step with Nesterov momentum over 16 Mi f32 parameters: reads param, grad, buf and
+// writes param, buf.
+static void BM_sgd_step(benchmark::State& state) {
+  const int64_t n = int64_t(1) << 24;
+  Tensor p = randn({n}, RngKey(0, "p")).set_requires_grad();
+  p.set_grad(randn({n}, RngKey(0, "g")));
+  SGD opt(std::vector<Tensor>{p}, SGDOptions{.lr = 1e-3, .momentum = 0.9, .weight_decay = 1e-4, .nesterov = true});
+  for (auto _ : state) opt.step();
+  bench::set_bandwidth(state, 5.0 * double(n) * 4);
+}
+BENCHMARK(BM_sgd_step)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 BENCHMARK_MAIN();

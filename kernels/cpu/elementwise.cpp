@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/elementwise_math.h"
 #include "kernels/philox.h"
 
 namespace quilt::kernels::cpu {
@@ -16,32 +17,6 @@ namespace {
 
 template <class T> using ArrMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 template <class T> using CArrMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
-
-constexpr double kInvSqrt2 = 0.70710678118654752440;
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;
-
-template <UnaryOp op, class C>
-C unary_scalar(C x) {
-  using std::abs, std::exp, std::log, std::sqrt, std::tanh, std::sin, std::cos, std::erf;
-  if constexpr (op == UnaryOp::neg) return -x;
-  else if constexpr (op == UnaryOp::abs) return x < C(0) ? C(-x) : x;
-  else if constexpr (op == UnaryOp::sign) return C((C(0) < x) - (x < C(0)));
-  else if constexpr (op == UnaryOp::square) return x * x;
-  else if constexpr (op == UnaryOp::relu) return x > C(0) ? x : C(0);
-  else if constexpr (op == UnaryOp::exp) return exp(x);
-  else if constexpr (op == UnaryOp::log) return log(x);
-  else if constexpr (op == UnaryOp::sqrt) return sqrt(x);
-  else if constexpr (op == UnaryOp::rsqrt) return C(1) / sqrt(x);
-  else if constexpr (op == UnaryOp::tanh) return tanh(x);
-  else if constexpr (op == UnaryOp::sigmoid) return C(1) / (C(1) + exp(-x));
-  else if constexpr (op == UnaryOp::silu) return x / (C(1) + exp(-x));
-  else if constexpr (op == UnaryOp::gelu) return C(0.5) * x * (C(1) + erf(x * C(kInvSqrt2)));
-  else if constexpr (op == UnaryOp::gelu_grad)
-    return C(0.5) * (C(1) + erf(x * C(kInvSqrt2))) + x * C(kInvSqrt2Pi) * exp(C(-0.5) * x * x);
-  else if constexpr (op == UnaryOp::sin) return sin(x);
-  else if constexpr (op == UnaryOp::cos) return cos(x);
-  else return x;
-}
 
 // Eigen's vectorised form of an op on a contiguous run; returns false when there is none.
 template <UnaryOp op, class T>
@@ -77,7 +52,7 @@ void unary_typed(const Loop<2>& l) {
     parallel_walk(l, es, [](char** p, int64_t n, const int64_t* s) {
       auto* o = reinterpret_cast<bool*>(p[0]);
       auto* x = reinterpret_cast<const T*>(p[1]);
-      for (int64_t i = 0; i < n; ++i) o[i * s[0]] = !static_cast<bool>(static_cast<C>(x[i * s[1]]));
+      for (int64_t i = 0; i < n; ++i) o[i * s[0]] = UnaryMath<op>{}(static_cast<C>(x[i * s[1]]));
     });
   } else {
     const size_t es[2] = {sizeof(T), sizeof(T)};
@@ -86,9 +61,9 @@ void unary_typed(const Loop<2>& l) {
       auto* x = reinterpret_cast<const T*>(p[1]);
       if (s[0] == 1 && s[1] == 1) {
         if (unary_eigen<op, T>(o, x, n)) return;
-        for (int64_t i = 0; i < n; ++i) o[i] = T(unary_scalar<op, C>(C(x[i])));
+        for (int64_t i = 0; i < n; ++i) o[i] = T(UnaryMath<op>{}(C(x[i])));
       } else {
-        for (int64_t i = 0; i < n; ++i) o[i * s[0]] = T(unary_scalar<op, C>(C(x[i * s[1]])));
+        for (int64_t i = 0; i < n; ++i) o[i * s[0]] = T(UnaryMath<op>{}(C(x[i * s[1]])));
       }
     });
   }
@@ -104,31 +79,6 @@ void unary_dispatch(UnaryOp op, const Loop<2>& l) {
   }
 }
 
-template <BinaryOp op, class C>
-auto binary_scalar(C a, C b) {
-  if constexpr (op == BinaryOp::add) return C(a + b);
-  else if constexpr (op == BinaryOp::sub) return C(a - b);
-  else if constexpr (op == BinaryOp::mul) return C(a * b);
-  else if constexpr (op == BinaryOp::div) {
-    if constexpr (std::is_integral_v<C>) return C(b == 0 ? 0 : a / b);
-    else return C(a / b);
-  } else if constexpr (op == BinaryOp::pow) return C(std::pow(a, b));
-  else if constexpr (op == BinaryOp::maximum) {
-    if constexpr (std::is_floating_point_v<C>) return (a != a || b != b) ? C(NAN) : (a > b ? a : b);
-    else return a > b ? a : b;
-  } else if constexpr (op == BinaryOp::minimum) {
-    if constexpr (std::is_floating_point_v<C>) return (a != a || b != b) ? C(NAN) : (a < b ? a : b);
-    else return a < b ? a : b;
-  } else if constexpr (op == BinaryOp::eq) return a == b;
-  else if constexpr (op == BinaryOp::ne) return a != b;
-  else if constexpr (op == BinaryOp::lt) return a < b;
-  else if constexpr (op == BinaryOp::le) return a <= b;
-  else if constexpr (op == BinaryOp::gt) return a > b;
-  else if constexpr (op == BinaryOp::ge) return a >= b;
-  else if constexpr (op == BinaryOp::logical_and) return static_cast<bool>(a) && static_cast<bool>(b);
-  else return static_cast<bool>(a) || static_cast<bool>(b);
-}
-
 template <BinaryOp op, class T>
 void binary_typed(const Loop<3>& l) {
   using C = compute_t<T>;
@@ -139,16 +89,16 @@ void binary_typed(const Loop<3>& l) {
     auto* a = reinterpret_cast<const T*>(p[1]);
     auto* b = reinterpret_cast<const T*>(p[2]);
     if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
-      for (int64_t i = 0; i < n; ++i) o[i] = O(binary_scalar<op, C>(C(a[i]), C(b[i])));
+      for (int64_t i = 0; i < n; ++i) o[i] = O(BinaryMath<op>{}(C(a[i]), C(b[i])));
     } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {
       const C bv = C(b[0]);
-      for (int64_t i = 0; i < n; ++i) o[i] = O(binary_scalar<op, C>(C(a[i]), bv));
+      for (int64_t i = 0; i < n; ++i) o[i] = O(BinaryMath<op>{}(C(a[i]), bv));
     } else if (s[0] == 1 && s[1] == 0 && s[2] == 1) {
       const C av = C(a[0]);
-      for (int64_t i = 0; i < n; ++i) o[i] = O(binary_scalar<op, C>(av, C(b[i])));
+      for (int64_t i = 0; i < n; ++i) o[i] = O(BinaryMath<op>{}(av, C(b[i])));
     } else {
       for (int64_t i = 0; i < n; ++i)
-        o[i * s[0]] = O(binary_scalar<op, C>(C(a[i * s[1]]), C(b[i * s[2]])));
+        o[i * s[0]] = O(BinaryMath<op>{}(C(a[i * s[1]]), C(b[i * s[2]])));
     }
   });
 }
@@ -161,23 +111,6 @@ void binary_dispatch(BinaryOp op, const Loop<3>& l) {
     Q(logical_and) Q(logical_or)
 #undef Q
   }
-}
-
-// Global linear index of local element `i` of a random block.
-inline uint64_t global_index(const RandomArgs& a, int64_t i) {
-  uint64_t g = 0;
-  for (int d = a.ndim - 1; d >= 0; --d) {
-    const int64_t idx = i % a.shape[d];
-    i /= a.shape[d];
-    g += static_cast<uint64_t>(idx + a.offsets[d]) * static_cast<uint64_t>(a.global_strides[d]);
-  }
-  return g;
-}
-
-int64_t block_numel(const RandomArgs& a) {
-  int64_t n = 1;
-  for (int d = 0; d < a.ndim; ++d) n *= a.shape[d];
-  return n;
 }
 
 }  // namespace
@@ -261,17 +194,11 @@ void copy(DType out_dt, DType in_dt, const Loop<2>& loop) {
     using O = scalar_t;
     QUILT_DISPATCH_ALL(in_dt, [&] {
       using I = scalar_t;
-      using C = std::conditional_t<std::is_same_v<O, double> || std::is_same_v<I, double>, double,
-                std::conditional_t<std::is_integral_v<O> && std::is_integral_v<I>, int64_t, float>>;
       const size_t es[2] = {sizeof(O), sizeof(I)};
       parallel_walk(loop, es, [](char** p, int64_t n, const int64_t* s) {
         auto* o = reinterpret_cast<O*>(p[0]);
         auto* x = reinterpret_cast<const I*>(p[1]);
-        if constexpr (std::is_same_v<O, bool>) {
-          for (int64_t i = 0; i < n; ++i) o[i * s[0]] = static_cast<C>(x[i * s[1]]) != C(0);
-        } else {
-          for (int64_t i = 0; i < n; ++i) o[i * s[0]] = O(static_cast<C>(x[i * s[1]]));
-        }
+        for (int64_t i = 0; i < n; ++i) o[i * s[0]] = O(CastMath<O, I>{}(static_cast<compute_t<I>>(x[i * s[1]])));
       });
     });
   });
@@ -280,7 +207,7 @@ void copy(DType out_dt, DType in_dt, const Loop<2>& loop) {
 void fill(DType dt, double value, const Loop<1>& loop) {
   QUILT_DISPATCH_ALL(dt, [&] {
     using T = scalar_t;
-    const T v = std::is_same_v<T, bool> ? T(value != 0) : T(static_cast<compute_t<T>>(value));
+    const T v = T(CastMath<T, double>{}(value));
     const size_t es[1] = {sizeof(T)};
     parallel_walk(loop, es, [v](char** p, int64_t n, const int64_t* s) {
       auto* o = reinterpret_cast<T*>(p[0]);
@@ -292,13 +219,11 @@ void fill(DType dt, double value, const Loop<1>& loop) {
 void random_uniform(DType dt, void* out, const RandomArgs& args) {
   QUILT_DISPATCH_FLOATING(dt, [&] {
     auto* o = static_cast<scalar_t*>(out);
-    parallel_range(block_numel(args), kGrain / 4, [&](int64_t b, int64_t e) {
+    parallel_range(args.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        const uint64_t g = global_index(args, i);
+        const uint64_t g = args.global_index(i);
         const Philox4 r = philox_block(args.seed, args.key, g);
-        // (0, 1] -> [0, 1): 1 - u
-        const double u = std::is_same_v<scalar_t, double> ? 1.0 - uint2_to_unit(r.v[0], r.v[1])
-                                                          : 1.0 - double(uint_to_unit(r.v[0]));
+        const double u = uniform_draw<scalar_t>(r);
         o[i] = scalar_t(static_cast<compute_t<scalar_t>>(args.a + (args.b - args.a) * u));
       }
     });
@@ -308,13 +233,11 @@ void random_uniform(DType dt, void* out, const RandomArgs& args) {
 void random_normal(DType dt, void* out, const RandomArgs& args) {
   QUILT_DISPATCH_FLOATING(dt, [&] {
     auto* o = static_cast<scalar_t*>(out);
-    parallel_range(block_numel(args), kGrain / 4, [&](int64_t b, int64_t e) {
+    parallel_range(args.numel(), kGrain / 4, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        const uint64_t g = global_index(args, i);
+        const uint64_t g = args.global_index(i);
         const Philox4 r = philox_block(args.seed, args.key, g);
-        const double u1 = uint2_to_unit(r.v[0], r.v[1]);
-        const double u2 = uint2_to_unit(r.v[2], r.v[3]);
-        const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+        const double z = normal_draw(r);
         o[i] = scalar_t(static_cast<compute_t<scalar_t>>(args.a + args.b * z));
       }
     });

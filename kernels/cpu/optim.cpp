@@ -21,8 +21,7 @@ constexpr int64_t kOptimGrain = 1 << 16;
 // array statements below, so memory is streamed once per step.
 constexpr int64_t kBlock = 1024;
 
-// AdamW on one block of at most kBlock elements, in Eigen arrays of S (vectorised sqrt and
-// division; a plain loop would not vectorise because std::sqrt may set errno).
+// AdamW on one block of at most kBlock elements, AdamWMath's formulas on Eigen arrays of S.
 template <class P, class G, class S>
 void adamw_block(P* param, const G* grad, S* m, S* v, int64_t n, const AdamWHyper& h) {
   using Arr = Eigen::Array<S, Eigen::Dynamic, 1>;
@@ -42,16 +41,12 @@ void adamw_block(P* param, const G* grad, S* m, S* v, int64_t n, const AdamWHype
     for (int64_t i = 0; i < n; ++i) gbuf[i] = S(static_cast<compute_t<G>>(grad[i]));
     g = gbuf;
   }
-  const S b1 = S(h.beta1), b2 = S(h.beta2), one_b1 = S(1.0 - h.beta1), one_b2 = S(1.0 - h.beta2);
-  const S decay = S(1.0 - h.lr * h.weight_decay);
-  const S step_size = S(h.lr / h.bias_correction1);
-  const S inv_sqrt_bc2 = S(1.0 / std::sqrt(h.bias_correction2));
-  const S eps = S(h.eps);
+  const AdamWMath<S> w = adamw_math(h).as<S>();
   Eigen::Map<Arr> pa(p, n), ma(m, n), va(v, n);
   Eigen::Map<const Arr> ga(g, n);
-  ma = b1 * ma + one_b1 * ga;
-  va = b2 * va + one_b2 * ga.square();
-  pa = pa * decay - step_size * ma / (va.sqrt() * inv_sqrt_bc2 + eps);
+  ma = w.moment1(ma, ga);
+  va = w.moment2(va, ga);
+  pa = w.param(pa, ma, va.sqrt());
   if constexpr (!std::is_same_v<P, S>)
     for (int64_t i = 0; i < n; ++i) param[i] = P(pbuf[i]);
 }
@@ -78,36 +73,11 @@ using BlockFn = void (*)(const AdamWTensor&, int64_t);
 
 template <class P, class G, class S>
 void sgd_typed(P* __restrict param, const G* __restrict grad, S* __restrict buf, int64_t n, const SgdHyper& h) {
-  const S lr = S(h.lr), wd = S(h.weight_decay), mom = S(h.momentum), damp = S(1.0 - h.dampening);
-  const bool use_buf = buf != nullptr;
-  const bool first = h.first, nesterov = h.nesterov;
+  const SgdMath<S> step = sgd_math(h).as<S>();
   parallel_range(n, kOptimGrain, [&](int64_t b, int64_t e) {
 #pragma omp simd
-    for (int64_t i = b; i < e; ++i) {
-      S p = S(static_cast<compute_t<P>>(param[i]));
-      S d = S(static_cast<compute_t<G>>(grad[i])) + wd * p;
-      if (use_buf) {
-        const S bi = first ? d : mom * buf[i] + damp * d;
-        buf[i] = bi;
-        d = nesterov ? d + mom * bi : bi;
-      }
-      param[i] = P(p - lr * d);
-    }
-  });
-}
-
-// Binds P (param dtype), G (param dtype or float) and S (float or double) and calls f.
-template <class F>
-void dispatch(DType param_dt, DType grad_dt, DType state_dt, F&& f) {
-  QUILT_DISPATCH_FLOATING(param_dt, [&] {
-    using P = scalar_t;
-    if (state_dt == DType::f64) {
-      if (grad_dt == param_dt) f(P{}, P{}, double{});
-      else f(P{}, float{}, double{});
-    } else {
-      if (grad_dt == param_dt) f(P{}, P{}, float{});
-      else f(P{}, float{}, float{});
-    }
+    for (int64_t i = b; i < e; ++i)
+      param[i] = P(step(S(static_cast<compute_t<P>>(param[i])), S(static_cast<compute_t<G>>(grad[i])), buf, i));
   });
 }
 
@@ -115,7 +85,7 @@ void dispatch(DType param_dt, DType grad_dt, DType state_dt, F&& f) {
 
 void adamw(DType param_dt, DType grad_dt, DType state_dt, void* param, const void* grad, void* m, void* v,
            int64_t n, const AdamWHyper& h) {
-  dispatch(param_dt, grad_dt, state_dt, [&](auto p, auto g, auto s) {
+  dispatch_optim_types(param_dt, grad_dt, state_dt, [&](auto p, auto g, auto s) {
     using P = decltype(p);
     using G = decltype(g);
     using S = decltype(s);
@@ -131,7 +101,7 @@ void adamw_multi(std::span<const AdamWTensor> tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const AdamWTensor& t = tensors[i];
     first[i + 1] = first[i] + (t.n + kBlock - 1) / kBlock;
-    dispatch(t.param_dt, t.grad_dt, t.state_dt, [&](auto p, auto g, auto s) {
+    dispatch_optim_types(t.param_dt, t.grad_dt, t.state_dt, [&](auto p, auto g, auto s) {
       fns[i] = &adamw_block_of<decltype(p), decltype(g), decltype(s)>;
     });
   }
@@ -146,7 +116,7 @@ void adamw_multi(std::span<const AdamWTensor> tensors) {
 
 void sgd(DType param_dt, DType grad_dt, DType state_dt, void* param, const void* grad, void* buf, int64_t n,
          const SgdHyper& h) {
-  dispatch(param_dt, grad_dt, state_dt, [&](auto p, auto g, auto s) {
+  dispatch_optim_types(param_dt, grad_dt, state_dt, [&](auto p, auto g, auto s) {
     using P = decltype(p);
     using G = decltype(g);
     using S = decltype(s);

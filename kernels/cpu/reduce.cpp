@@ -13,31 +13,17 @@
 #include <vector>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/elementwise_math.h"
 
 namespace quilt::kernels::cpu {
 namespace {
-
-template <class T> using acc_t = std::conditional_t<std::is_same_v<T, double>, double,
-                                   std::conditional_t<std::is_integral_v<T>, int64_t, float>>;
-
-template <ReduceOp op, class A>
-A identity() {
-  if constexpr (op == ReduceOp::max) return std::numeric_limits<A>::has_infinity ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::lowest();
-  else if constexpr (op == ReduceOp::min) return std::numeric_limits<A>::has_infinity ? std::numeric_limits<A>::infinity() : std::numeric_limits<A>::max();
-  else return A(0);
-}
 
 template <ReduceOp op, class A>
 A combine(A acc, A x) {
   if constexpr (op == ReduceOp::sum) return acc + x;
   else if constexpr (op == ReduceOp::sum_squares) return acc + x * x;
-  else if constexpr (op == ReduceOp::max) {
-    if constexpr (std::is_floating_point_v<A>) { if (x != x || acc != acc) return std::numeric_limits<A>::quiet_NaN(); }
-    return x > acc ? x : acc;
-  } else {
-    if constexpr (std::is_floating_point_v<A>) { if (x != x || acc != acc) return std::numeric_limits<A>::quiet_NaN(); }
-    return x < acc ? x : acc;
-  }
+  else if constexpr (op == ReduceOp::max) return max_nan(x, acc);
+  else return min_nan(x, acc);
 }
 
 // Reduction of one contiguous run.
@@ -45,13 +31,13 @@ template <ReduceOp op, class T, class A>
 A reduce_run(const T* x, int64_t n) {
   if constexpr (std::is_same_v<T, A> && std::is_floating_point_v<T>) {
     Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> v(x, n);
-    if (n == 0) return identity<op, A>();
+    if (n == 0) return reduce_identity<op, A>();
     if constexpr (op == ReduceOp::sum) return v.sum();
     else if constexpr (op == ReduceOp::sum_squares) return v.square().sum();
     else if constexpr (op == ReduceOp::max) return v.hasNaN() ? std::numeric_limits<A>::quiet_NaN() : v.maxCoeff();
     else return v.hasNaN() ? std::numeric_limits<A>::quiet_NaN() : v.minCoeff();
   } else {
-    A acc = identity<op, A>();
+    A acc = reduce_identity<op, A>();
     for (int64_t i = 0; i < n; ++i) acc = combine<op, A>(acc, A(static_cast<compute_t<T>>(x[i])));
     return acc;
   }
@@ -67,17 +53,11 @@ inline int64_t offset_of(int64_t i, int nd, const int64_t* shape, const int64_t*
   return off;
 }
 
-int64_t prod(int nd, const int64_t* s) {
-  int64_t n = 1;
-  for (int d = 0; d < nd; ++d) n *= s[d];
-  return n;
-}
-
 template <ReduceOp op, class T, class O>
 void reduce_typed(const ReduceLoop& l) {
-  using A = acc_t<T>;
-  const int64_t nout = prod(l.out_ndim, l.out_shape);
-  const int64_t nred = prod(l.red_ndim, l.red_shape);
+  using A = reduce_acc_t<T>;
+  const int64_t nout = shape_numel(l.out_ndim, l.out_shape);
+  const int64_t nred = shape_numel(l.red_ndim, l.red_shape);
   const T* in = static_cast<const T*>(l.in);
   O* out = static_cast<O*>(l.out);
   const bool row = l.red_ndim == 1 && l.red_strides[0] == 1;
@@ -102,7 +82,7 @@ void reduce_typed(const ReduceLoop& l) {
   }
   if (nred == 0) {  // an empty reduction: the identity, and the (empty, maybe null) input never touched
     for (int64_t o = 0; o < nout; ++o)
-      out[offset_of(o, l.out_ndim, l.out_shape, l.out_strides)] = O(static_cast<compute_t<O>>(identity<op, A>()));
+      out[offset_of(o, l.out_ndim, l.out_shape, l.out_strides)] = O(static_cast<compute_t<O>>(reduce_identity<op, A>()));
     return;
   }
   if (row || nout == 1) {
@@ -113,7 +93,7 @@ void reduce_typed(const ReduceLoop& l) {
         if (row) {
           acc = reduce_run<op, T, A>(base, l.red_shape[0]);
         } else {
-          acc = identity<op, A>();
+          acc = reduce_identity<op, A>();
           for (int64_t r = 0; r < nred; ++r)
             acc = combine<op, A>(acc, A(static_cast<compute_t<T>>(base[offset_of(r, l.red_ndim, l.red_shape, l.red_strides)])));
         }
@@ -124,7 +104,7 @@ void reduce_typed(const ReduceLoop& l) {
   }
   // Column-like: accumulate a buffer of outputs; threads split the outputs.
   parallel_range(nout, std::max<int64_t>(64, kGrain / std::max<int64_t>(1, nred)), [&](int64_t b, int64_t e) {
-    std::vector<A> acc(size_t(e - b), identity<op, A>());
+    std::vector<A> acc(size_t(e - b), reduce_identity<op, A>());
     std::vector<int64_t> in_off(size_t(e - b));
     for (int64_t o = b; o < e; ++o) in_off[size_t(o - b)] = offset_of(o, l.out_ndim, l.out_shape, l.in_out_strides);
     bool linear = true;  // kept elements contiguous in the input: the inner loop vectorises
@@ -148,8 +128,8 @@ void reduce_typed(const ReduceLoop& l) {
 template <class T>
 void argmax_typed(const ReduceLoop& l) {
   using C = compute_t<T>;
-  const int64_t nout = prod(l.out_ndim, l.out_shape);
-  const int64_t nred = prod(l.red_ndim, l.red_shape);
+  const int64_t nout = shape_numel(l.out_ndim, l.out_shape);
+  const int64_t nred = shape_numel(l.red_ndim, l.red_shape);
   const T* in = static_cast<const T*>(l.in);
   auto* out = static_cast<int64_t*>(l.out);
   parallel_range(nout, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, nred)), [&](int64_t b, int64_t e) {

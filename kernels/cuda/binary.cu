@@ -1,42 +1,15 @@
-// CUDA binary elementwise ops and where. Same formulas as kernels/cpu/elementwise.cpp:
-// maximum/minimum propagate NaN, predicates give bool.
+// CUDA binary elementwise ops (kernels/elementwise_math.h's BinaryMath: maximum/minimum
+// propagate NaN, predicates give bool) and where.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 
 namespace quilt::kernels::cuda {
 namespace {
 
-template <BinaryOp op, class C>
-__device__ __forceinline__ auto binary_math(C a, C b) {
-  if constexpr (op == BinaryOp::add) return C(a + b);
-  else if constexpr (op == BinaryOp::sub) return C(a - b);
-  else if constexpr (op == BinaryOp::mul) return C(a * b);
-  else if constexpr (op == BinaryOp::div) {
-    if constexpr (std::is_integral_v<C>) return C(b == 0 ? 0 : a / b);
-    else return C(a / b);
-  } else if constexpr (op == BinaryOp::pow) {
-    if constexpr (std::is_integral_v<C>) return C(m_pow(double(a), double(b)));  // as std::pow(int, int)
-    else return m_pow(a, b);
-  } else if constexpr (op == BinaryOp::maximum) {
-    if constexpr (std::is_floating_point_v<C>) return (a != a || b != b) ? C(NAN) : (a > b ? a : b);
-    else return a > b ? a : b;
-  } else if constexpr (op == BinaryOp::minimum) {
-    if constexpr (std::is_floating_point_v<C>) return (a != a || b != b) ? C(NAN) : (a < b ? a : b);
-    else return a < b ? a : b;
-  } else if constexpr (op == BinaryOp::eq) return a == b;
-  else if constexpr (op == BinaryOp::ne) return a != b;
-  else if constexpr (op == BinaryOp::lt) return a < b;
-  else if constexpr (op == BinaryOp::le) return a <= b;
-  else if constexpr (op == BinaryOp::gt) return a > b;
-  else if constexpr (op == BinaryOp::ge) return a >= b;
-  else if constexpr (op == BinaryOp::logical_and) return static_cast<bool>(a) && static_cast<bool>(b);
-  else return static_cast<bool>(a) || static_cast<bool>(b);
-}
-
 template <BinaryOp op, class T>
 struct BinaryFn {
   __device__ __forceinline__ auto operator()(T a, T b) const {
-    const auto r = binary_math<op>(Num<T>::load(a), Num<T>::load(b));
+    const auto r = BinaryMath<op>{}(Num<T>::load(a), Num<T>::load(b));
     if constexpr (is_predicate(op)) return r;
     else return Num<T>::store(r);
   }

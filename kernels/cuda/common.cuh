@@ -1,7 +1,8 @@
-// Internal to kernels/cuda: storage <-> compute conversions, math overloads, one
-// elementwise engine (a flat vectorised kernel and a strided one) shared by unary, binary,
-// where, copy and fill, and the row-per-warp / row-per-block helpers of softmax and the
-// norms. Each .cu instantiates only the (op, dtype) pairs it dispatches to.
+// Internal to kernels/cuda: storage <-> compute conversions, one elementwise engine (a flat
+// vectorised kernel and a strided one) shared by unary, binary, where, copy and fill, and the
+// row-per-warp / row-per-block helpers of softmax and the norms. The math itself is
+// kernels/elementwise_math.h's. Each .cu instantiates only the (op, dtype) pairs it
+// dispatches to.
 //
 //   Elementwise<float, float, float>::launch(loop, AddFn{}, stream);   // out = f(a, b)
 #pragma once
@@ -18,6 +19,7 @@
 #include "kernels/cuda/check.cuh"
 #include "kernels/cuda/kernels.h"
 #include "kernels/dtype.h"
+#include "kernels/elementwise_math.h"
 #include "kernels/loop.h"
 
 namespace quilt::kernels::cuda {
@@ -91,24 +93,6 @@ struct Num<Half> {
     return r;
   }
 };
-
-// ---- math overloads (float and double) ------------------------------------------------------
-__device__ __forceinline__ float m_exp(float x) { return expf(x); }
-__device__ __forceinline__ double m_exp(double x) { return exp(x); }
-__device__ __forceinline__ float m_log(float x) { return logf(x); }
-__device__ __forceinline__ double m_log(double x) { return log(x); }
-__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
-__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
-__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
-__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
-__device__ __forceinline__ float m_erf(float x) { return erff(x); }
-__device__ __forceinline__ double m_erf(double x) { return erf(x); }
-__device__ __forceinline__ float m_sin(float x) { return sinf(x); }
-__device__ __forceinline__ double m_sin(double x) { return sin(x); }
-__device__ __forceinline__ float m_cos(float x) { return cosf(x); }
-__device__ __forceinline__ double m_cos(double x) { return cos(x); }
-__device__ __forceinline__ float m_pow(float a, float b) { return powf(a, b); }
-__device__ __forceinline__ double m_pow(double a, double b) { return pow(a, b); }
 
 // ---- the elementwise engine ------------------------------------------------------------------
 /// V values of T loaded or stored as one aligned vector access.

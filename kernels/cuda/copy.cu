@@ -1,7 +1,7 @@
-// CUDA copy/cast between any two of the seven dtypes, strided. The conversion goes through the
-// same intermediate type as on the CPU (double if either side is f64, i64 if both are integers,
-// float otherwise), so casts give the CPU's values bit for bit. Same-dtype copies move raw
-// bytes: cudaMemcpyAsync when both sides are one contiguous run, a kernel otherwise.
+// CUDA copy/cast between any two of the seven dtypes, strided. The conversion is the CPU's
+// (kernels/elementwise_math.h's CastMath), so casts give the CPU's values bit for bit.
+// Same-dtype copies move raw bytes: cudaMemcpyAsync when both sides are one contiguous run, a
+// kernel otherwise.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 
@@ -10,11 +10,9 @@ namespace {
 
 template <class O, class I>
 struct CastFn {
-  using C = std::conditional_t<std::is_same_v<O, double> || std::is_same_v<I, double>, double,
-            std::conditional_t<std::is_integral_v<O> && std::is_integral_v<I>, int64_t, float>>;
   __device__ __forceinline__ O operator()(I x) const {
-    const C v = static_cast<C>(Num<I>::load(x));
-    if constexpr (std::is_same_v<O, bool>) return v != C(0);
+    const auto v = CastMath<O, I>{}(Num<I>::load(x));
+    if constexpr (std::is_same_v<O, bool>) return v;
     else return Num<O>::store(v);
   }
 };

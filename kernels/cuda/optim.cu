@@ -1,10 +1,9 @@
 // CUDA multi-tensor AdamW and SGD: one launch updates every tensor of a dtype combination.
 // The host lays the tensors' chunks end to end (first_chunk, a prefix sum) and uploads one
 // table (tensors) into a stream-ordered workspace buffer; each block finds its tensor by
-// binary search and updates one chunk. Same formulas as kernels/cpu/optim.cpp, in float
-// (double for f64 state).
+// binary search and updates one chunk. kernels/elementwise_math.h's AdamWMath and SgdMath, as
+// on the CPU, in float (double for f64 state).
 #include <algorithm>
-#include <cmath>
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
@@ -16,7 +15,7 @@ namespace {
 constexpr int kOptThreads = 256;
 constexpr int64_t kChunk = int64_t(kOptThreads) * 16;  // elements per block
 
-// One AdamW tensor on the device; hyperparameters precomputed in double on the host.
+// One AdamW tensor on the device; its constants computed in double on the host.
 struct AdamWEntry {
   void* param;        // (n) P
   const void* grad;   // (n) G
@@ -24,11 +23,7 @@ struct AdamWEntry {
   void* v;            // (n) S
   int64_t n;
   int64_t first_chunk;  // chunks of the tensors before this one
-  double beta1, beta2, one_beta1, one_beta2;
-  double decay;         // 1 - lr * weight_decay
-  double step_size;     // lr / bias_correction1
-  double inv_sqrt_bc2;  // 1 / sqrt(bias_correction2)
-  double eps;
+  AdamWMath<double> math;
 };
 
 struct SgdEntry {
@@ -37,8 +32,7 @@ struct SgdEntry {
   void* buf;         // (n) S, null without momentum
   int64_t n;
   int64_t first_chunk;
-  double lr, weight_decay, momentum, damp;  // damp = 1 - dampening
-  int nesterov, first;
+  SgdMath<double> math;
 };
 
 // Index of the entry whose chunks hold `chunk` (entries sorted by first_chunk, count > 0).
@@ -64,16 +58,15 @@ __global__ void __launch_bounds__(kOptThreads)
     const G* g = static_cast<const G*>(t.grad);
     S* m = static_cast<S*>(t.m);
     S* v = static_cast<S*>(t.v);
-    const S b1 = S(t.beta1), b2 = S(t.beta2), ob1 = S(t.one_beta1), ob2 = S(t.one_beta2);
-    const S decay = S(t.decay), step = S(t.step_size), ibc2 = S(t.inv_sqrt_bc2), eps = S(t.eps);
+    const AdamWMath<S> w = t.math.as<S>();
     for (int64_t i = begin + threadIdx.x; i < end; i += kOptThreads) {
       const S gi = S(Num<G>::load(g[i]));
-      const S mi = b1 * m[i] + ob1 * gi;
-      const S vi = b2 * v[i] + ob2 * (gi * gi);
+      const S mi = w.moment1(m[i], gi);
+      const S vi = w.moment2(v[i], gi);
       m[i] = mi;
       v[i] = vi;
       const S pi = S(Num<P>::load(p[i]));
-      p[i] = Num<P>::store(pi * decay - step * mi / (m_sqrt(vi) * ibc2 + eps));
+      p[i] = Num<P>::store(w.param(pi, mi, m_sqrt(vi)));
     }
   }
 }
@@ -88,37 +81,19 @@ __global__ void __launch_bounds__(kOptThreads)
     P* p = static_cast<P*>(t.param);
     const G* g = static_cast<const G*>(t.grad);
     S* buf = static_cast<S*>(t.buf);
-    const S lr = S(t.lr), wd = S(t.weight_decay), mom = S(t.momentum), damp = S(t.damp);
-    for (int64_t i = begin + threadIdx.x; i < end; i += kOptThreads) {
-      const S pi = S(Num<P>::load(p[i]));
-      S d = S(Num<G>::load(g[i])) + wd * pi;
-      if (buf) {
-        const S bi = t.first ? d : mom * buf[i] + damp * d;
-        buf[i] = bi;
-        d = t.nesterov ? d + mom * bi : bi;
-      }
-      p[i] = Num<P>::store(pi - lr * d);
-    }
+    const SgdMath<S> step = t.math.as<S>();
+    for (int64_t i = begin + threadIdx.x; i < end; i += kOptThreads)
+      p[i] = Num<P>::store(step(S(Num<P>::load(p[i])), S(Num<G>::load(g[i])), buf, i));
   }
 }
 
-// Binds P (param dtype), G (param dtype or float), S (float or double) and calls f, as the
-// CPU kernels do.
+// Checks the dtypes, then binds them as the CPU kernels do (cpu::dispatch_optim_types).
 template <class F>
 void dispatch(const char* what, DType param_dt, DType grad_dt, DType state_dt, F&& f) {
   if (!is_floating(param_dt)) fail_dtype(what, param_dt);
   if (grad_dt != param_dt && grad_dt != DType::f32) fail_dtype(what, grad_dt);
   if (state_dt != DType::f32 && state_dt != DType::f64) fail_dtype(what, state_dt);
-  QUILT_DISPATCH_FLOATING(param_dt, [&] {
-    using P = scalar_t;
-    if (state_dt == DType::f64) {
-      if (grad_dt == param_dt) f(P{}, P{}, double{});
-      else f(P{}, float{}, double{});
-    } else {
-      if (grad_dt == param_dt) f(P{}, P{}, float{});
-      else f(P{}, float{}, float{});
-    }
-  });
+  cpu::dispatch_optim_types(param_dt, grad_dt, state_dt, std::forward<F>(f));
 }
 
 // Uploads `entries` (first_chunk filled in here) and launches kernel(table, count, chunks).
@@ -188,11 +163,8 @@ void adamw_multi(std::span<const AdamWTensor> tensors, void* stream) {
   multi_step<AdamWEntry>(
       "adamw", tensors, s,
       [](const AdamWTensor& t) {
-        const cpu::AdamWHyper& h = t.hyper;
         return AdamWEntry{.param = t.param, .grad = t.grad, .m = t.m, .v = t.v, .n = t.n, .first_chunk = 0,
-                          .beta1 = h.beta1, .beta2 = h.beta2, .one_beta1 = 1.0 - h.beta1, .one_beta2 = 1.0 - h.beta2,
-                          .decay = 1.0 - h.lr * h.weight_decay, .step_size = h.lr / h.bias_correction1,
-                          .inv_sqrt_bc2 = 1.0 / std::sqrt(h.bias_correction2), .eps = h.eps};
+                          .math = cpu::adamw_math(t.hyper)};
       },
       [&](auto p, auto g, auto st, const AdamWEntry* table, int count, int64_t chunks, unsigned grid) {
         adamw_multi_kernel<decltype(p), decltype(g), decltype(st)><<<grid, kOptThreads, 0, s>>>(table, count, chunks);
@@ -204,10 +176,8 @@ void sgd_multi(std::span<const SgdTensor> tensors, void* stream) {
   multi_step<SgdEntry>(
       "sgd", tensors, s,
       [](const SgdTensor& t) {
-        const cpu::SgdHyper& h = t.hyper;
-        return SgdEntry{.param = t.param, .grad = t.grad, .buf = t.buf, .n = t.n, .first_chunk = 0, .lr = h.lr,
-                        .weight_decay = h.weight_decay, .momentum = h.momentum, .damp = 1.0 - h.dampening,
-                        .nesterov = h.nesterov ? 1 : 0, .first = h.first ? 1 : 0};
+        return SgdEntry{.param = t.param, .grad = t.grad, .buf = t.buf, .n = t.n, .first_chunk = 0,
+                        .math = cpu::sgd_math(t.hyper)};
       },
       [&](auto p, auto g, auto st, const SgdEntry* table, int count, int64_t chunks, unsigned grid) {
         sgd_multi_kernel<decltype(p), decltype(g), decltype(st)><<<grid, kOptThreads, 0, s>>>(table, count, chunks);

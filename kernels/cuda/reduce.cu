@@ -22,10 +22,6 @@ namespace {
 
 constexpr int kRedThreads = 256;
 
-template <class T>
-using acc_t = std::conditional_t<std::is_same_v<T, double>, double,
-                                 std::conditional_t<std::is_integral_v<T>, int64_t, float>>;
-
 struct RedGeom {
   int out_ndim = 0;
   int64_t out_shape[kMaxDims] = {};
@@ -53,28 +49,20 @@ __device__ __forceinline__ bool is_nan(A v) {
   else return false;
 }
 
+// What an accumulator starts from; for max and argmax its index (LLONG_MAX) never wins a tie.
 template <ReduceOp op, class A>
 __device__ __forceinline__ Acc<A> identity() {
-  if constexpr (op == ReduceOp::sum || op == ReduceOp::sum_squares) return {A(0), 0};
-  else if constexpr (op == ReduceOp::min) {
-    if constexpr (std::is_floating_point_v<A>) return {A(INFINITY), 0};
-    else return {A(LLONG_MAX), 0};
-  } else {  // max, argmax: the index never wins a tie
-    if constexpr (std::is_floating_point_v<A>) return {A(-INFINITY), LLONG_MAX};
-    else return {A(LLONG_MIN), LLONG_MAX};
-  }
+  return {reduce_identity<op, A>(), op == ReduceOp::max || op == ReduceOp::argmax ? LLONG_MAX : 0};
 }
 
 template <ReduceOp op, class A>
 __device__ __forceinline__ Acc<A> combine(const Acc<A>& a, const Acc<A>& b) {
   if constexpr (op == ReduceOp::sum || op == ReduceOp::sum_squares) {
     return {a.v + b.v, 0};
-  } else if constexpr (op == ReduceOp::max || op == ReduceOp::min) {
-    if constexpr (std::is_floating_point_v<A>) {
-      if (is_nan(a.v) || is_nan(b.v)) return {A(NAN), 0};
-    }
-    if constexpr (op == ReduceOp::max) return {b.v > a.v ? b.v : a.v, 0};
-    else return {b.v < a.v ? b.v : a.v, 0};
+  } else if constexpr (op == ReduceOp::max) {
+    return {max_nan(b.v, a.v), 0};
+  } else if constexpr (op == ReduceOp::min) {
+    return {min_nan(b.v, a.v), 0};
   } else {  // argmax: larger value wins, NaN beats everything, ties go to the smaller index
     const bool an = is_nan(a.v), bn = is_nan(b.v);
     if (an || bn) {
@@ -97,12 +85,12 @@ __device__ __forceinline__ int64_t offset_of(int64_t i, int nd, const int64_t* s
   return off;
 }
 
-// kSecond: `in` holds partials of type acc_t (and in_idx their argmax indices).
+// kSecond: `in` holds partials of type reduce_acc_t (and in_idx their argmax indices).
 template <ReduceOp op, class T, class O, bool kSecond>
 __global__ void __launch_bounds__(kRedThreads)
     reduce_kernel(const __grid_constant__ RedGeom g, const T* __restrict__ in, const int64_t* __restrict__ in_idx,
-                  O* __restrict__ out, acc_t<T>* __restrict__ ws, int64_t* __restrict__ ws_idx) {
-  using A = std::conditional_t<kSecond, T, acc_t<T>>;
+                  O* __restrict__ out, reduce_acc_t<T>* __restrict__ ws, int64_t* __restrict__ ws_idx) {
+  using A = std::conditional_t<kSecond, T, reduce_acc_t<T>>;
   __shared__ A sv[kRedThreads];
   __shared__ int64_t si[op == ReduceOp::argmax ? kRedThreads : 1];
   const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
@@ -181,7 +169,7 @@ dim3 shape_block(RedGeom& g, unsigned& gx) {
 
 template <ReduceOp op, class T, class O>
 void reduce_typed(const ReduceLoop& l, cudaStream_t s) {
-  using A = acc_t<T>;
+  using A = reduce_acc_t<T>;
   RedGeom g;
   g.out_ndim = l.out_ndim;
   g.red_ndim = l.red_ndim;

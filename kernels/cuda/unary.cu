@@ -1,5 +1,5 @@
-// CUDA unary elementwise ops and fill. Same formulas as kernels/cpu/elementwise.cpp, computed
-// in float for bf16/f16. Math ops exist for the floating dtypes only (the engine checks this
+// CUDA unary elementwise ops and fill: kernels/elementwise_math.h's UnaryMath, computed in
+// float for bf16/f16. Math ops exist for the floating dtypes only (the engine checks this
 // first); neg/abs/sign/square/relu also for integers, logical_not for every dtype.
 #include <cstring>
 
@@ -9,36 +9,11 @@
 namespace quilt::kernels::cuda {
 namespace {
 
-constexpr double kInvSqrt2 = 0.70710678118654752440;
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;
-
-template <UnaryOp op, class C>
-__device__ __forceinline__ C unary_math(C x) {
-  if constexpr (op == UnaryOp::neg) return -x;
-  else if constexpr (op == UnaryOp::abs) return x < C(0) ? C(-x) : x;
-  else if constexpr (op == UnaryOp::sign) return C((C(0) < x) - (x < C(0)));
-  else if constexpr (op == UnaryOp::square) return x * x;
-  else if constexpr (op == UnaryOp::relu) return x > C(0) ? x : C(0);
-  else if constexpr (op == UnaryOp::exp) return m_exp(x);
-  else if constexpr (op == UnaryOp::log) return m_log(x);
-  else if constexpr (op == UnaryOp::sqrt) return m_sqrt(x);
-  else if constexpr (op == UnaryOp::rsqrt) return C(1) / m_sqrt(x);
-  else if constexpr (op == UnaryOp::tanh) return m_tanh(x);
-  else if constexpr (op == UnaryOp::sigmoid) return C(1) / (C(1) + m_exp(-x));
-  else if constexpr (op == UnaryOp::silu) return x / (C(1) + m_exp(-x));
-  else if constexpr (op == UnaryOp::gelu) return C(0.5) * x * (C(1) + m_erf(x * C(kInvSqrt2)));
-  else if constexpr (op == UnaryOp::gelu_grad)
-    return C(0.5) * (C(1) + m_erf(x * C(kInvSqrt2))) + x * C(kInvSqrt2Pi) * m_exp(C(-0.5) * x * x);
-  else if constexpr (op == UnaryOp::sin) return m_sin(x);
-  else if constexpr (op == UnaryOp::cos) return m_cos(x);
-  else return x;
-}
-
 template <UnaryOp op, class T>
 struct UnaryFn {
   __device__ __forceinline__ auto operator()(T x) const {
-    if constexpr (op == UnaryOp::logical_not) return !static_cast<bool>(Num<T>::load(x));
-    else return Num<T>::store(unary_math<op>(Num<T>::load(x)));
+    if constexpr (op == UnaryOp::logical_not) return UnaryMath<op>{}(Num<T>::load(x));
+    else return Num<T>::store(UnaryMath<op>{}(Num<T>::load(x)));
   }
 };
 
@@ -82,8 +57,8 @@ void unary(UnaryOp op, DType dt, const Loop<2>& loop, void* stream) {
 void fill(DType dt, double value, const Loop<1>& loop, void* stream) {
   QUILT_DISPATCH_ALL(dt, [&] {
     using T = scalar_t;
-    // The value is converted on the host exactly as the CPU kernel converts it.
-    const T v = std::is_same_v<T, bool> ? T(value != 0) : T(static_cast<compute_t<T>>(value));
+    // Converted on the host, as the CPU kernel converts it (a cast from f64).
+    const T v = T(CastMath<T, double>{}(value));
     const int64_t n = loop.numel();
     if (n == 0) return;
     unsigned char bytes[sizeof(T)];
