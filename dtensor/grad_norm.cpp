@@ -17,20 +17,31 @@
 namespace quilt::dtensor {
 namespace {
 
-// This rank's sum of |x|^p (or max |x| for p = inf) of a plain tensor, in f64.
-double local_part(const Tensor& x, double p) {
-  if (x.numel() == 0) return 0;
+// This rank's sum of |x|^p (or max |x| for p = inf) of a plain tensor, as a 0-d f64 tensor on
+// x's device: no host read, so a GPU step is not drained once per parameter.
+Tensor local_part(const Tensor& x, double p) {
+  if (x.numel() == 0) return zeros({}, {.dtype = DType::f64, .device = x.device()});
   Tensor v = cast(x, DType::f64);
-  if (std::isinf(p)) return max(abs(v)).item<double>();
-  if (p == 2.0) return sum_squares(v).item<double>();
-  if (p == 1.0) return sum(abs(v)).item<double>();
-  return sum(pow(abs(v), p)).item<double>();
+  if (std::isinf(p)) return max(abs(v));
+  if (p == 2.0) return sum_squares(v);
+  if (p == 1.0) return sum(abs(v));
+  return sum(pow(abs(v), p));
+}
+
+// a + b, or max(a, b) for the inf-norm (NaN kept), in f64 as the host sum did.
+Tensor combine(const Tensor& a, const Tensor& b, bool inf) { return inf ? maximum(a, b) : add(a, b); }
+
+// All-reduces a 0-d value over `comm` on the communicator's device; returns it there.
+Tensor reduced(const Tensor& value, Communicator& comm, bool inf) {
+  Tensor t = value.reshape({1}).to(comm.device()).clone();
+  comm.all_reduce(t, inf ? ReduceOp::max : ReduceOp::sum);
+  return t.reshape({});
 }
 
 struct GroupSum {
   DeviceMesh mesh;            // undefined for plain gradients
   std::vector<int64_t> axes;  // the axes to reduce over
-  double value = 0;
+  Tensor value;               // 0-d f64
 };
 
 }  // namespace
@@ -39,7 +50,6 @@ Tensor grad_norm(const std::vector<Tensor>& params, double norm_type, Communicat
   QUILT_CHECK(norm_type > 0, "[grad_norm] norm_type must be > 0, got ", norm_type);
   NoGradGuard ng;
   const bool inf = std::isinf(norm_type);
-  auto combine = [inf](double a, double b) { return inf ? std::max(a, b) : a + b; };
   // One group per (mesh, sharded axes), in first-appearance order: the same on every rank, so
   // the reductions below are issued in the same order everywhere.
   std::vector<GroupSum> groups;
@@ -57,7 +67,7 @@ Tensor grad_norm(const std::vector<Tensor>& params, double norm_type, Communicat
       for (size_t a = 0; a < pl.size(); ++a)
         if (pl[a].is_shard() && key.mesh.size(int64_t(a)) > 1) key.axes.push_back(int64_t(a));
     }
-    const double part = local_part(g.local(), norm_type);
+    Tensor part = local_part(g.local(), norm_type);
     auto it = std::find_if(groups.begin(), groups.end(), [&](const GroupSum& s) {
       return s.axes == key.axes && s.mesh.defined() == key.mesh.defined() && (!s.mesh.defined() || s.mesh == key.mesh);
     });
@@ -65,26 +75,19 @@ Tensor grad_norm(const std::vector<Tensor>& params, double norm_type, Communicat
       key.value = part;
       groups.push_back(std::move(key));
     } else {
-      it->value = combine(it->value, part);
+      it->value = combine(it->value, part, inf);
     }
   }
-  double total = 0;
+  // The host read happens once, by the caller (item()), or never (a captured CUDA step).
+  Tensor total;
   for (GroupSum& s : groups) {
-    if (!s.axes.empty()) {
-      // On the communicators' own device (a CUDA tensor for NCCL meshes).
-      Tensor t = full({1}, s.value, {.dtype = DType::f64, .device = s.mesh.comm(s.axes[0]).device()});
-      for (int64_t a : s.axes) s.mesh.comm(a).all_reduce(t, inf ? ReduceOp::max : ReduceOp::sum);
-      s.value = t.item<double>();
-    }
-    total = combine(total, s.value);
+    for (int64_t a : s.axes) s.value = reduced(s.value, s.mesh.comm(a), inf);
+    total = total.defined() ? combine(total, s.value.to(total.device()), inf) : s.value;
   }
-  if (across) {
-    Tensor t = full({1}, total, {.dtype = DType::f64, .device = across->device()});
-    across->all_reduce(t, inf ? ReduceOp::max : ReduceOp::sum);
-    total = t.item<double>();
-  }
-  if (!inf) total = norm_type == 1.0 ? total : norm_type == 2.0 ? std::sqrt(total) : std::pow(total, 1.0 / norm_type);
-  return full({}, total, {.dtype = DType::f64});
+  if (!total.defined()) total = zeros({}, {.dtype = DType::f64, .device = across ? across->device() : Device::cpu()});
+  if (across) total = reduced(total, *across, inf);
+  if (inf || norm_type == 1.0) return total;
+  return norm_type == 2.0 ? sqrt(total) : pow(total, 1.0 / norm_type);
 }
 
 Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type, Communicator* across) {

@@ -653,7 +653,12 @@ const Table<TrainConfig>& train_table() {
             "consecutive skipped (non-finite) steps that stop the run; 0: never stop"),
       field("device", &T::device, Enum<TrainDevice>{{TrainDevice::kCpu, TrainDevice::kCuda}, train_device_name},
             "where the model, gradients, optimizer state and batches live: cpu, or cuda (one GPU, one rank)"),
+      field("cuda_graphs", &T::cuda_graphs, Bool{},
+            "train.device cuda: after two eager steps, capture the step (forward, backward, clipping, AdamW) "
+            "in a CUDA graph once and replay it every step"),
   }, [](const TrainConfig& t) {
+    QUILT_CHECK(!t.cuda_graphs || t.device == TrainDevice::kCuda,
+                "[config] train.cuda_graphs captures a GPU step: it needs train.device: cuda");
     QUILT_CHECK(t.beta1 < 1, "[config] train.beta1 must be < 1, got ", format_double(t.beta1));
     QUILT_CHECK(t.beta2 < 1, "[config] train.beta2 must be < 1, got ", format_double(t.beta2));
     QUILT_CHECK(t.min_lr <= t.lr, "[config] train.min_lr ", format_double(t.min_lr), " is greater than train.lr ",
@@ -1021,6 +1026,8 @@ ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
               "process; this run has ", world_size, " ranks (a rank per GPU needs dist_env.backend nccl, which quilt "
               "train does not run yet): launch one process, or use train.device: cpu");
   const ModelConfig& m = cfg.model;
+  QUILT_CHECK(!t.cuda_graphs || m.num_experts == 0, "[config] train.cuda_graphs captures the step of a dense model; "
+              "MoE models (model.num_experts ", m.num_experts, ") are not captured yet: leave train.cuda_graphs off");
   QUILT_CHECK(!cfg.logging.trace || cfg.logging.dir, "[config] logging.trace needs logging.dir (where the trace goes)");
   QUILT_CHECK(!cfg.logging.tensorboard || cfg.logging.dir,
               "[config] logging.tensorboard needs logging.dir (where the events file goes)");

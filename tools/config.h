@@ -140,6 +140,7 @@ struct TrainConfig {
   int64_t eval_steps = 10;               // global batches per evaluation
   int64_t max_skipped_steps = 5;         // consecutive non-finite steps that stop the run; 0: never
   TrainDevice device = TrainDevice::kCpu;  // cuda: one GPU, one rank (the first device)
+  bool cuda_graphs = false;                // cuda: capture the step once, then replay it
 
   /// Gradient-accumulation micro-steps per optimizer step for `dp` data-parallel ranks.
   int64_t accumulation_steps(int64_t dp) const { return global_batch_size / (micro_batch_size * dp); }

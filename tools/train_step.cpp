@@ -66,15 +66,31 @@ Tensor LocalTrainStep::loss_of(const Batch& host_batch) {
   return total * (double(cp->size()) / count.item<double>());
 }
 
-double LocalTrainStep::global_mean(double local_sum, size_t count) {
-  Tensor t = scalar_tensor(local_sum / double(std::max<size_t>(1, count)), {.dtype = DType::f64});
+namespace {
+
+// The micro-batch losses' sum, in f64 on the model's device, in micro-batch order.
+Tensor add_loss(const Tensor& sum, const Tensor& loss) {
+  const Tensor l = cast(loss.is_distributed() ? loss.local() : loss, DType::f64);
+  return sum.defined() ? add(sum, l) : l;
+}
+
+// sum / count (0 for no micro-batches), as a 0-d f64 tensor.
+Tensor mean_of(const Tensor& sum, size_t count, Device device) {
+  if (!sum.defined()) return zeros({}, {.dtype = DType::f64, .device = device});
+  return div(sum, scalar_like(double(count), sum));
+}
+
+}  // namespace
+
+double LocalTrainStep::global_mean(const Tensor& local_mean) {
+  Tensor t = local_mean.to(hooks_.loss_comm ? hooks_.loss_comm->device() : local_mean.device()).reshape({1}).clone();
   if (hooks_.loss_comm && hooks_.loss_comm->size() > 1) hooks_.loss_comm->all_reduce(t, ReduceOp::avg);
   return t.item<double>();
 }
 
-double LocalTrainStep::run(const std::vector<Batch>& micro_batches) {
+Tensor LocalTrainStep::run_local(const std::vector<Batch>& micro_batches) {
   const size_t n = micro_batches.size();
-  double sum = 0;
+  Tensor sum;
   for (size_t m = 0; m < n; ++m) {
     // Gradients of all micro-batches but the last accumulate locally; the last one reduces.
     // (FSDP may instead reduce every micro-batch: defer_fsdp_grad_sync false.)
@@ -84,19 +100,18 @@ double LocalTrainStep::run(const std::vector<Batch>& micro_batches) {
     Tensor loss = loss_of(micro_batches[m]);
     (loss * (1.0 / double(n))).backward();
     hooks_.dp.finish_backward();
-    sum += (loss.is_distributed() ? loss.local() : loss).item<double>();
+    sum = add_loss(sum, loss);
   }
-  return global_mean(sum, n);
+  return mean_of(sum, n, hooks_.device);
 }
+
+double LocalTrainStep::run(const std::vector<Batch>& micro_batches) { return global_mean(run_local(micro_batches)); }
 
 double LocalTrainStep::evaluate(const std::vector<Batch>& micro_batches) {
   NoGradGuard ng;
-  double sum = 0;
-  for (const Batch& b : micro_batches) {
-    Tensor loss = loss_of(b);
-    sum += (loss.is_distributed() ? loss.local() : loss).item<double>();
-  }
-  return global_mean(sum, micro_batches.size());
+  Tensor sum;
+  for (const Batch& b : micro_batches) sum = add_loss(sum, loss_of(b));
+  return global_mean(mean_of(sum, micro_batches.size(), hooks_.device));
 }
 
 PipelineTrainStep::PipelineTrainStep(pipeline::Lowered lists, std::vector<pipeline::StageRef> stages, int num_stages,

@@ -66,10 +66,13 @@ class LocalTrainStep : public TrainStep {
   LocalTrainStep(LMForward forward, StepHooks hooks) : forward_(std::move(forward)), hooks_(std::move(hooks)) {}
   double run(const std::vector<Batch>& micro_batches) override;
   double evaluate(const std::vector<Batch>& micro_batches) override;
+  /// run() without reading the loss on the host: this rank's mean loss as a 0-d f64 tensor on
+  /// the model's device (what a captured CUDA graph step records).
+  Tensor run_local(const std::vector<Batch>& micro_batches);
 
  private:
   Tensor loss_of(const Batch& b);
-  double global_mean(double local_sum, size_t count);
+  double global_mean(const Tensor& local_mean);
   LMForward forward_;
   StepHooks hooks_;
 };

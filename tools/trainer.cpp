@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -56,6 +57,87 @@ void check_skipped(const Run& r) {
                     r.world->rank() == 0);
 }
 
+// train.cuda_graphs. The process's first kEagerSteps steps run eagerly (the last of them with
+// AdamW's staged tables, which it sizes); the next is captured once, and every step from it on
+// is a replay of that capture: the batches are copied into the buffers the graph reads, AdamW's
+// step counts and lr are staged, and the loss, norm and skip flag are read once after it. All of
+// it runs on one stream of the GPU, current on this thread for the whole run.
+struct GraphedStep {
+  static constexpr int64_t kEagerSteps = 2;
+  explicit GraphedStep(Device d) : stream(new_stream(d)), guard(stream) {
+    skip = zeros({}, {.dtype = DType::b8, .device = d});
+  }
+  Stream stream;
+  StreamGuard guard;
+  cuda::Graph graph;
+  std::vector<Batch> batches;  // device buffers the graph reads
+  Tensor loss, norm, skip;     // what it writes: the step's mean loss and norm, and "not finite"
+  int64_t eager_steps = 0;
+};
+
+// True where x is finite (NaN and infinities false), on x's device.
+Tensor finite(const Tensor& x) { return lt(abs(x), scalar_like(std::numeric_limits<double>::infinity(), x)); }
+
+// Copies this step's host micro-batches into the graph's buffers (made at the first call).
+void stage_batches(GraphedStep& g, const std::vector<Batch>& host, Device device) {
+  auto fill = [&](Tensor& dst, const Tensor& src, const char* what, size_t m) {
+    if (!dst.defined()) dst = Tensor::empty(src.shape(), {.dtype = src.dtype(), .device = device});
+    QUILT_CHECK(dst.shape() == src.shape() && dst.dtype() == src.dtype(), "[train.cuda_graphs] micro-batch ", m,
+                "'s ", what, " is ", dtype_name(src.dtype()), " ", src.shape(), " but the captured step reads ",
+                dtype_name(dst.dtype()), " ", dst.shape(), ": a captured step needs batches of one shape");
+    dst.copy_(src);
+  };
+  const bool first = g.batches.empty();
+  if (first) g.batches.resize(host.size());
+  QUILT_CHECK(host.size() == g.batches.size(), "[train.cuda_graphs] this step has ", host.size(),
+              " micro-batches, the captured one ", g.batches.size());
+  for (size_t m = 0; m < host.size(); ++m) {
+    const Batch& h = host[m];
+    Batch& d = g.batches[m];
+    QUILT_CHECK(first || h.document_ids.defined() == d.document_ids.defined(), "[train.cuda_graphs] micro-batch ", m,
+                h.document_ids.defined() ? " has" : " has no", " document ids, unlike the captured step's");
+    fill(d.inputs, h.inputs, "inputs", m);
+    fill(d.targets, h.targets, "targets", m);
+    fill(d.positions, h.positions.defined() ? h.positions : default_positions(h.inputs), "positions", m);
+    if (h.document_ids.defined()) fill(d.document_ids, h.document_ids, "document ids", m);
+  }
+}
+
+// One replayed step (captured first, at its first call): the graphed counterpart of the eager
+// step's forward, backward, clipping and update.
+void graphed_step(Run& r, GraphedStep& g, StepMetrics& m) {
+  {
+    trace::Scope scope("data", "load batches");
+    stage_batches(g, r.loader->next_step(), r.device);
+  }
+  if (!g.graph.captured()) {
+    auto* local = dynamic_cast<LocalTrainStep*>(r.step.get());
+    QUILT_CHECK(local != nullptr, "[train.cuda_graphs] captures the step of a model that runs whole on one GPU");
+    r.opt->zero_grad();  // the captured backward makes every gradient afresh
+    g.graph.capture_begin(g.stream);
+    g.loss = local->run_local(g.batches);
+    g.norm = dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, nullptr);
+    g.skip.copy_(logical_not(logical_and(finite(g.loss), finite(g.norm))));
+    r.opt->step();
+    g.graph.capture_end();
+    log_line("train.cuda_graphs: step ", r.step_count + 1, " captured; every step from here replays it");
+  } else {
+    r.opt->stage_replay();
+  }
+  {
+    trace::Scope scope("step", "graph replay");
+    g.graph.replay(g.stream);
+    m.loss = g.loss.item<double>();
+  }
+  m.grad_norm = g.norm.item<double>();
+  m.skipped = g.skip.item<double>() != 0;
+  if (m.skipped) {
+    r.opt->unstep();
+    log_line("step ", r.step_count + 1, ": non-finite ", std::isfinite(m.loss) ? "gradient norm" : "loss",
+             ", the update was skipped on the device");
+  }
+}
+
 double validation_loss(Run& r) {
   if (!r.val_loader) return -1;
   for (const auto& m : r.stages) m->eval();
@@ -67,9 +149,36 @@ double validation_loss(Run& r) {
   return total / double(n);
 }
 
+// Forward and backward of the step's micro-batches, clipping, and the update unless the loss or
+// norm is not finite.
+void eager_step(Run& r, StepMetrics& m, PipelineTrainStep* pipe, bool tracing) {
+  std::vector<Batch> batches;
+  {
+    trace::Scope scope("data", "load batches");
+    batches = r.loader->next_step();
+    scope.arg("micro-batches", int64_t(batches.size()));
+  }
+  for (const auto& s : r.stages) set_moe_aux_loss_scale(*s, 1.0 / double(std::max<size_t>(1, batches.size())));
+  {
+    trace::Scope scope("step", "forward + backward");
+    m.loss = r.step->run(batches);
+  }
+  if (tracing && pipe) pipe->runner().set_tracing(false);
+  {
+    trace::Scope scope("optimizer", "clip grad norm");
+    m.grad_norm = dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, r.pp_comm.get())
+                      .item<double>();
+  }
+  m.skipped = !(std::isfinite(m.loss) && std::isfinite(m.grad_norm));
+  if (!m.skipped) {
+    trace::Scope scope("optimizer", "optimizer step");
+    r.opt->step();
+  } else log_line("step ", r.step_count + 1, ": non-finite ", std::isfinite(m.loss) ? "gradient norm" : "loss", ", step skipped on every rank");
+}
+
 // One optimizer step; a non-finite loss or norm skips the update on every rank alike (every
 // rank holds the same averaged loss and gradient norm).
-StepMetrics train_step(Run& r) {
+StepMetrics train_step(Run& r, GraphedStep* graphed) {
   const auto t0 = std::chrono::steady_clock::now();
   const bool on_gpu = !r.device.is_cpu();
   reset_cpu_peak_memory();
@@ -90,31 +199,15 @@ StepMetrics train_step(Run& r) {
     trace::set_enabled(true);
     if (pipe) pipe->runner().set_tracing(true);
   }
-  std::vector<Batch> batches;
-  {
-    trace::Scope scope("data", "load batches");
-    batches = r.loader->next_step();
-    scope.arg("micro-batches", int64_t(batches.size()));
+  if (graphed && graphed->eager_steps >= GraphedStep::kEagerSteps) {
+    graphed_step(r, *graphed, m);
+  } else {
+    if (graphed && ++graphed->eager_steps == GraphedStep::kEagerSteps) r.opt->prepare_graph_steps(graphed->skip);
+    eager_step(r, m, pipe, tracing);
   }
-  for (const auto& s : r.stages) set_moe_aux_loss_scale(*s, 1.0 / double(std::max<size_t>(1, batches.size())));
-  {
-    trace::Scope scope("step", "forward + backward");
-    m.loss = r.step->run(batches);
-  }
-  if (tracing && pipe) pipe->runner().set_tracing(false);
   if (r.dp.fsdp) m.gather_wait_s = r.dp.fsdp->all_gather_wait_seconds() - waited;
-  {
-    trace::Scope scope("optimizer", "clip grad norm");
-    m.grad_norm = dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, r.pp_comm.get())
-                      .item<double>();
-  }
-  m.skipped = !(std::isfinite(m.loss) && std::isfinite(m.grad_norm));
-  if (!m.skipped) {
-    trace::Scope scope("optimizer", "optimizer step");
-    r.opt->step();
-  } else log_line("step ", r.step_count + 1, ": non-finite ", std::isfinite(m.loss) ? "gradient norm" : "loss", ", step skipped on every rank");
   r.skipped_in_a_row = m.skipped ? r.skipped_in_a_row + 1 : 0;
-  {
+  if (!graphed || !graphed->graph.captured()) {  // a replay overwrites the gradients it made
     trace::Scope scope("optimizer", "zero grad");
     r.opt->zero_grad();
   }
@@ -160,8 +253,10 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
   const int64_t last = stop_after >= 0 ? std::min(stop_after, cfg.train.steps) : cfg.train.steps;
   const auto started = std::chrono::steady_clock::now();
   const int64_t first = r.step_count;
+  std::optional<GraphedStep> graphed;
+  if (cfg.train.cuda_graphs) graphed.emplace(r.device);
   while (r.step_count < last) {
-    StepMetrics m = train_step(r);
+    StepMetrics m = train_step(r, graphed ? &*graphed : nullptr);
     // Elapsed time and ETA at this run's mean step time (a resumed run counts from its resume).
     m.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     m.eta_s = m.elapsed_s / double(m.step - first) * double(last - m.step);

@@ -64,8 +64,14 @@ std::vector<kernels::cpu::AdamWTensor> AdamW::tensor_list(std::vector<Update>& u
 
 void AdamW::update_all(std::vector<Update>& updates) { kernels::cpu::adamw_multi(tensor_list(updates)); }
 
-void AdamW::update_all_cuda(std::vector<Update>& updates) {
-  kernels::cuda::adamw_multi(tensor_list(updates), ops::stream_handle(updates.front().param.device()));
+void AdamW::update_all_cuda(std::vector<Update>& updates, const kernels::cuda::OptimLaunch& launch) {
+  kernels::cuda::adamw_multi(tensor_list(updates), ops::stream_handle(updates.front().param.device()), launch);
+}
+size_t AdamW::cuda_table_bytes(std::vector<Update>& updates) {
+  return kernels::cuda::adamw_table_bytes(tensor_list(updates));
+}
+void AdamW::stage_cuda(std::vector<Update>& updates, const kernels::cuda::StagedTable& table) {
+  kernels::cuda::adamw_stage(tensor_list(updates), table);
 }
 
 }  // namespace quilt

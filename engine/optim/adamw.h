@@ -36,7 +36,9 @@ class AdamW : public Optimizer {
   void update(Tensor& param, const Tensor& grad, std::vector<Tensor>& buffers, int64_t step, double lr,
               double weight_decay) override;
   void update_all(std::vector<Update>& updates) override;
-  void update_all_cuda(std::vector<Update>& updates) override;
+  void update_all_cuda(std::vector<Update>& updates, const kernels::cuda::OptimLaunch& launch) override;
+  size_t cuda_table_bytes(std::vector<Update>& updates) override;
+  void stage_cuda(std::vector<Update>& updates, const kernels::cuda::StagedTable& table) override;
 
  private:
   kernels::cpu::AdamWHyper hyper(int64_t step, double lr, double weight_decay) const;

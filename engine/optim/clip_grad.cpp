@@ -40,26 +40,36 @@ Tensor grad_norm(const std::vector<Tensor>& params, double norm_type) {
   return pow(total, 1.0 / norm_type);
 }
 
+namespace {
+
+// Scales every gradient by a coefficient computed on the norm's own device (1 when the norm is
+// within bounds or not finite): no host read, for a norm that lives on several ranks or on a GPU.
+Tensor clip_on_device(const std::vector<Tensor>& params, const Tensor& total, double max_norm) {
+  NoGradGuard ng;
+  Tensor finite = lt(abs(total), scalar_like(std::numeric_limits<double>::infinity(), total));
+  Tensor clip = logical_and(finite, gt(total, scalar_like(max_norm, total)));
+  Tensor coef = where(clip, max_norm / (total + 1e-6), ones_like(total));
+  for (const Tensor& p : params) {
+    Tensor g = p.defined() ? p.grad() : Tensor();
+    if (!g.defined()) continue;
+    // A plain norm scales each gradient's local shard (as mul_ does); a distributed one, the whole.
+    if (!total.is_distributed() && g.is_distributed()) g = g.local();
+    g.copy_(g * cast(coef, g.dtype()));
+  }
+  return total;
+}
+
+}  // namespace
+
 Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
   QUILT_CHECK(max_norm >= 0, "[clip_grad_norm_] max_norm must be >= 0, got ", max_norm);
   Tensor total = grad_norm(params, norm_type);
-  if (total.is_distributed()) {
-    // The norm lives on several ranks: scale by a tensor coefficient (1 when the norm is within
-    // bounds or not finite) so the reduction happens inside the ops, without a host read.
-    NoGradGuard ng;
-    Tensor finite = lt(abs(total), scalar_like(std::numeric_limits<double>::infinity(), total));
-    Tensor clip = logical_and(finite, gt(total, scalar_like(max_norm, total)));
-    Tensor coef = where(clip, max_norm / (total + 1e-6), ones_like(total));
-    for (const Tensor& p : params) {
-      Tensor g = p.defined() ? p.grad() : Tensor();
-      if (g.defined()) g.copy_(g * cast(coef, g.dtype()));
-    }
-    return total;
-  }
+  if (total.is_distributed()) return clip_on_device(params, total, max_norm);
   return clip_grads_to_norm_(params, total, max_norm);
 }
 
 Tensor clip_grads_to_norm_(const std::vector<Tensor>& params, const Tensor& total, double max_norm) {
+  if (total.device().is_cuda()) return clip_on_device(params, total, max_norm);
   const double norm = total.item<double>();
   if (!std::isfinite(norm) || norm <= max_norm) return total;
   const double coef = max_norm / (norm + 1e-6);

@@ -24,7 +24,8 @@ Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
 
 /// The scaling step of clip_grad_norm_ for a norm computed elsewhere (a plain 0-d tensor, the
 /// same on every rank): scales every gradient by max_norm / (norm + 1e-6) when the norm is
-/// finite and exceeds max_norm. Returns `total`.
+/// finite and exceeds max_norm. Returns `total`. A norm on a GPU is not read on the host: the
+/// coefficient is computed and applied there (so the step can be captured in a CUDA graph).
 Tensor clip_grads_to_norm_(const std::vector<Tensor>& params, const Tensor& total, double max_norm);
 
 }  // namespace quilt

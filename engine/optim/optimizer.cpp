@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "engine/autograd.h"
+#include "engine/device.h"
 #include "engine/ops/creation.h"
 #include "engine/ops/view.h"
 #include "engine/primitive.h"
@@ -95,7 +96,59 @@ void Optimizer::update_all(std::vector<Update>& updates) {
   for (Update& u : updates) update(u.param, u.grad, u.buffers, u.step, u.lr, u.weight_decay);
 }
 
-void Optimizer::update_all_cuda(std::vector<Update>&) { fail("[", name_, "] has no CUDA implementation"); }
+void Optimizer::update_all_cuda(std::vector<Update>&, const kernels::cuda::OptimLaunch&) {
+  fail("[", name_, "] has no CUDA implementation");
+}
+size_t Optimizer::cuda_table_bytes(std::vector<Update>&) { fail("[", name_, "] has no CUDA implementation"); }
+void Optimizer::stage_cuda(std::vector<Update>&, const kernels::cuda::StagedTable&) {
+  fail("[", name_, "] has no CUDA implementation");
+}
+
+void Optimizer::prepare_graph_steps(Tensor skip) {
+  QUILT_CHECK(!skip.defined() || (skip.dtype() == DType::b8 && skip.numel() == 1 && skip.device().is_cuda()),
+              "[", name_, "] prepare_graph_steps: skip must be a one-element bool tensor on a GPU, got ",
+              dtype_name(skip.dtype()), " ", skip.shape(), " on ", skip.device().str());
+  graph_steps_ = true;
+  skip_ = skip;
+}
+
+kernels::cuda::OptimLaunch Optimizer::graph_launch(int device, std::vector<Update>& updates) {
+  GraphDevice& gd = graph_[device];
+  const size_t bytes = cuda_table_bytes(updates);
+  if (gd.table.bytes < bytes) {
+    QUILT_CHECK(!cuda::capture_underway(), "[", name_, "] a captured step needs ", bytes, " bytes of staged tables on ",
+                Device::cuda(device).str(), " but has ", gd.table.bytes,
+                ": run one step eagerly after prepare_graph_steps() and before the capture");
+    gd.host = Tensor::empty({int64_t(bytes)}, {.dtype = DType::b8, .pinned = true});
+    gd.device = Tensor::empty({int64_t(bytes)}, {.dtype = DType::b8, .device = Device::cuda(device)});
+    gd.table = {.host = gd.host.data_ptr(), .device = gd.device.data_ptr(), .bytes = bytes};
+  }
+  QUILT_CHECK(!skip_.defined() || skip_.device() == Device::cuda(device), "[", name_, "] the skip flag is on ",
+              skip_.device().str(), " but parameters on ", Device::cuda(device).str());
+  return {.skip = skip_.defined() ? static_cast<const bool*>(skip_.data_ptr()) : nullptr, .table = &gd.table};
+}
+
+void Optimizer::stage_replay() {
+  QUILT_CHECK(graph_steps_ && !graph_.empty(), "[", name_, "] stage_replay() without a step under prepare_graph_steps()");
+  ++step_count_;
+  for (auto& [dev, gd] : graph_) {
+    for (size_t k = 0; k < gd.updates.size(); ++k) {
+      Group& gr = *gd.refs[k].group;
+      Update& u = gd.updates[k];
+      u.step = ++gr.state[gd.refs[k].index].step;
+      u.lr = gr.lr;
+      u.weight_decay = gr.weight_decay;
+    }
+    stage_cuda(gd.updates, gd.table);
+  }
+}
+
+void Optimizer::unstep() {
+  QUILT_CHECK(graph_steps_ && step_count_ > 0, "[", name_, "] unstep() without a step under prepare_graph_steps()");
+  --step_count_;
+  for (auto& [dev, gd] : graph_)
+    for (const StateRef& r : gd.refs) --r.group->state[r.index].step;
+}
 
 void Optimizer::step() {
   NoGradGuard ng;
@@ -144,12 +197,26 @@ void Optimizer::step() {
   // CPU parameters in one update_all(); CUDA ones per device, one multi-tensor call each.
   std::vector<Update> cpu_updates;
   std::map<int, std::vector<Update>> cuda_updates;  // by device index
-  for (Update& u : updates) {
-    if (u.param.device().is_cpu()) cpu_updates.push_back(std::move(u));
-    else cuda_updates[u.param.device().index].push_back(std::move(u));
+  std::map<int, std::vector<StateRef>> cuda_refs;
+  for (size_t k = 0; k < updates.size(); ++k) {
+    Update& u = updates[k];
+    if (u.param.device().is_cpu()) {
+      cpu_updates.push_back(std::move(u));
+    } else {
+      cuda_refs[u.param.device().index].push_back({pending[k].group, pending[k].index});
+      cuda_updates[u.param.device().index].push_back(std::move(u));
+    }
   }
   if (!cpu_updates.empty() || cuda_updates.empty()) update_all(cpu_updates);
-  for (auto& [dev, list] : cuda_updates) update_all_cuda(list);
+  for (auto& [dev, list] : cuda_updates) {
+    if (!graph_steps_) {
+      update_all_cuda(list, {});
+      continue;
+    }
+    update_all_cuda(list, graph_launch(dev, list));
+    graph_[dev].updates = list;
+    graph_[dev].refs = std::move(cuda_refs[dev]);
+  }
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

@@ -10,12 +10,14 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "engine/nn/module.h"
 #include "engine/tensor.h"
+#include "kernels/cuda/nn.h"
 
 namespace quilt {
 
@@ -70,6 +72,20 @@ class Optimizer {
   /// "adamw", "sgd": names the optimizer in errors.
   const char* name() const { return name_; }
 
+  /// CUDA graphs. From now on the CUDA updates keep their tensor tables at fixed device
+  /// addresses, filled inside the step from pinned host memory (so a captured step's copy
+  /// reads what stage_replay() staged), and, when `skip` (a 0-d bool tensor on the parameters'
+  /// device) is given, leave every tensor untouched when it holds true at update time. The
+  /// first step() after this call must run eagerly: it sizes the tables.
+  void prepare_graph_steps(Tensor skip = Tensor());
+  /// Before each replay of a captured step(): the step's host side again (step counts + 1, the
+  /// groups' current lr and weight decay) for the parameters that step updated, staged into
+  /// the tables the replay copies. Nothing reading the tables may be in flight.
+  void stage_replay();
+  /// After a step whose update the device skipped (`skip` true): the step counts it advanced
+  /// go back, as if step() had not been called.
+  void unstep();
+
  protected:
   /// Buffers of one parameter, in buffer_names order, plus its own step count.
   struct ParamState {
@@ -95,9 +111,13 @@ class Optimizer {
   /// update() on each; an optimizer with a multi-tensor kernel overrides it. CPU tensors only.
   virtual void update_all(std::vector<Update>& updates);
   /// The same for parameters on one CUDA device (`updates` non-empty, all on that device):
-  /// multi-tensor kernels, queued on the device's current stream. The default throws
-  /// "[<name>] has no CUDA implementation".
-  virtual void update_all_cuda(std::vector<Update>& updates);
+  /// multi-tensor kernels, queued on the device's current stream, run as `launch` says (tables
+  /// and skip flag under CUDA graphs). The default throws "[<name>] has no CUDA implementation".
+  virtual void update_all_cuda(std::vector<Update>& updates, const kernels::cuda::OptimLaunch& launch);
+  /// The bytes of update_all_cuda's tensor tables for `updates` (a staged table's size).
+  virtual size_t cuda_table_bytes(std::vector<Update>& updates);
+  /// Writes update_all_cuda's tables for `updates` into `table` (host side) without launching.
+  virtual void stage_cuda(std::vector<Update>& updates, const kernels::cuda::StagedTable& table);
   /// Dtype of state buffers for `param`: f64 for f64 parameters, f32 otherwise (also for bf16).
   static DType state_dtype(const Tensor& param) { return param.dtype() == DType::f64 ? DType::f64 : DType::f32; }
 
@@ -109,13 +129,30 @@ class Optimizer {
     double lr = 0;
     double weight_decay = 0;
   };
+  // Which parameter state an update advanced.
+  struct StateRef {
+    Group* group;
+    size_t index;
+  };
+  // Under CUDA graphs, per device: the staged table (pinned host and device sides) and the
+  // last step's updates, which stage_replay() restages and which keep their tensors alive.
+  struct GraphDevice {
+    Tensor host, device;
+    kernels::cuda::StagedTable table;
+    std::vector<Update> updates;
+    std::vector<StateRef> refs;
+  };
   const Group& group(size_t g) const;
   Tensor new_buffer(const Tensor& param) const;
+  kernels::cuda::OptimLaunch graph_launch(int device, std::vector<Update>& updates);
 
   const char* name_;
   std::vector<Group> groups_;
   std::vector<std::string> buffer_names_;
   int64_t step_count_ = 0;
+  bool graph_steps_ = false;
+  Tensor skip_;
+  std::map<int, GraphDevice> graph_;
 };
 
 }  // namespace quilt

@@ -50,7 +50,7 @@ void SGD::update(Tensor& p, const Tensor& grad, std::vector<Tensor>& buffers, in
                     hyper(step, lr, wd));
 }
 
-void SGD::update_all_cuda(std::vector<Update>& updates) {
+std::vector<kernels::cuda::SgdTensor> SGD::cuda_list(std::vector<Update>& updates) const {
   std::vector<kernels::cuda::SgdTensor> list;
   list.reserve(updates.size());
   for (Update& u : updates) {
@@ -60,7 +60,15 @@ void SGD::update_all_cuda(std::vector<Update>& updates) {
                     .grad = u.grad.data_ptr(), .buf = has_buf ? u.buffers[0].data_ptr() : nullptr,
                     .n = u.param.numel(), .hyper = hyper(u.step, u.lr, u.weight_decay)});
   }
-  kernels::cuda::sgd_multi(list, ops::stream_handle(updates.front().param.device()));
+  return list;
+}
+
+void SGD::update_all_cuda(std::vector<Update>& updates, const kernels::cuda::OptimLaunch& launch) {
+  kernels::cuda::sgd_multi(cuda_list(updates), ops::stream_handle(updates.front().param.device()), launch);
+}
+size_t SGD::cuda_table_bytes(std::vector<Update>& updates) { return kernels::cuda::sgd_table_bytes(cuda_list(updates)); }
+void SGD::stage_cuda(std::vector<Update>& updates, const kernels::cuda::StagedTable& table) {
+  kernels::cuda::sgd_stage(cuda_list(updates), table);
 }
 
 }  // namespace quilt

@@ -72,12 +72,33 @@ void cumsum(DType in_dt, DType out_dt, const RowLoop& l, bool reverse, void* str
 
 // ---- optimizers (kernels/cuda/optim.cu) ----
 
+/// Where a multi-tensor step keeps its tensor table across steps (a CUDA graph's step): `host`
+/// (pinned) is written on the host and copied to `device` inside the step, so a graph that
+/// captured the copy reads what was staged last (*_stage). `bytes`: the room in each.
+struct StagedTable {
+  void* host = nullptr;
+  void* device = nullptr;
+  size_t bytes = 0;
+};
+/// How a multi-tensor step runs. `skip`: a device bool (or null) that, when true, leaves every
+/// tensor untouched (a non-finite step decided on the device); `table`: a staged table (or
+/// null: a stream-ordered workspace buffer per launch). Outside a capture, a staged step first
+/// waits for the stream, since an earlier step's copy may still read the host side.
+struct OptimLaunch {
+  const bool* skip = nullptr;
+  StagedTable* table = nullptr;
+};
+
 /// One tensor of a multi-tensor AdamW step: the CPU kernel's descriptor, with device pointers.
 using AdamWTensor = cpu::AdamWTensor;
 /// cpu::adamw on every tensor of the list, all on the current device: one launch per dtype
-/// combination, each block updating one chunk of one tensor (the tensor table lives in a
-/// stream-ordered workspace buffer).
-void adamw_multi(std::span<const AdamWTensor> tensors, void* stream);
+/// combination, each block updating one chunk of one tensor.
+void adamw_multi(std::span<const AdamWTensor> tensors, void* stream, const OptimLaunch& launch = {});
+/// The bytes of adamw_multi's tables for `tensors`, as a StagedTable lays them out.
+size_t adamw_table_bytes(std::span<const AdamWTensor> tensors);
+/// Writes adamw_multi's tables for `tensors` into table.host only (no copy, no launch): the
+/// hyperparameters of the next replay of a captured step. Nothing reading it may be in flight.
+void adamw_stage(std::span<const AdamWTensor> tensors, const StagedTable& table);
 
 /// One tensor of a multi-tensor SGD step (buf null without momentum).
 struct SgdTensor {
@@ -89,6 +110,9 @@ struct SgdTensor {
   cpu::SgdHyper hyper;
 };
 /// cpu::sgd on every tensor of the list, launched like adamw_multi.
-void sgd_multi(std::span<const SgdTensor> tensors, void* stream);
+void sgd_multi(std::span<const SgdTensor> tensors, void* stream, const OptimLaunch& launch = {});
+/// As adamw_table_bytes / adamw_stage, for SGD.
+size_t sgd_table_bytes(std::span<const SgdTensor> tensors);
+void sgd_stage(std::span<const SgdTensor> tensors, const StagedTable& table);
 
 }  // namespace quilt::kernels::cuda

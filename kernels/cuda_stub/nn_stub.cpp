@@ -36,7 +36,11 @@ void gather(DType, DType, const IndexLoop&, int64_t, DeviceErrorOp, void*) { mis
 void scatter_add(DType, DType, const IndexLoop&, int64_t, DeviceErrorOp, void*) { missing("scatter_add"); }
 void sort(DType, const RowLoop&, bool, void*) { missing("sort"); }
 void cumsum(DType, DType, const RowLoop&, bool, void*) { missing("cumsum"); }
-void adamw_multi(std::span<const AdamWTensor>, void*) { missing("adamw"); }
-void sgd_multi(std::span<const SgdTensor>, void*) { missing("sgd"); }
+void adamw_multi(std::span<const AdamWTensor>, void*, const OptimLaunch&) { missing("adamw"); }
+size_t adamw_table_bytes(std::span<const AdamWTensor>) { missing("adamw"); }
+void adamw_stage(std::span<const AdamWTensor>, const StagedTable&) { missing("adamw"); }
+void sgd_multi(std::span<const SgdTensor>, void*, const OptimLaunch&) { missing("sgd"); }
+size_t sgd_table_bytes(std::span<const SgdTensor>) { missing("sgd"); }
+void sgd_stage(std::span<const SgdTensor>, const StagedTable&) { missing("sgd"); }
 
 }  // namespace quilt::kernels::cuda

@@ -332,3 +332,71 @@ TEST_CASE("cuda: SGD with momentum and Nesterov on the GPU matches the CPU over 
   const SGDOptions plain{.lr = 0.1};
   check_optimizer_steps<SGD>("sgd plain", DType::f32, plain, 1e-5, 1e-6);
 }
+
+TEST_CASE("cuda: AdamW in a CUDA graph: replays with staged lr and step counts equal eager steps; skip leaves all as it was") {
+  SKIP_WITHOUT_CUDA();
+  const AdamWOptions o{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
+  std::vector<Tensor> pe = opt_params(DType::bf16, kGpu), pg = opt_params(DType::bf16, kGpu);
+  AdamW oe({{.params = {pe[0], pe[1]}}, {.params = {pe[2]}, .lr = 0.02, .weight_decay = 0.0}}, o);
+  AdamW og({{.params = {pg[0], pg[1]}}, {.params = {pg[2]}, .lr = 0.02, .weight_decay = 0.0}}, o);
+  Tensor skip = zeros({}, {.dtype = DType::b8, .device = kGpu});
+  og.prepare_graph_steps(skip);
+  // The graph reads fixed gradient buffers: each step's gradients are copied into them.
+  std::vector<Tensor> gg;
+  for (size_t k = 0; k < 3; ++k) {
+    gg.push_back(opt_grad(pg[k], k, 1, kGpu));
+    pg[k].set_grad(gg[k]);
+  }
+  auto set_grads = [&](int step) {
+    for (size_t k = 0; k < 3; ++k) {
+      pe[k].set_grad(opt_grad(pe[k], k, step, kGpu));
+      gg[k].copy_(opt_grad(pg[k], k, step, kGpu));
+    }
+  };
+  auto check_same = [&](const std::string& what) {
+    for (size_t k = 0; k < 3; ++k) check_equal(pg[k], pe[k], what + " param " + std::to_string(k));
+    const OptimizerState se = oe.state_dict(), sg = og.state_dict();
+    for (const auto& [key, t] : se.tensors) check_equal(sg.tensors.at(key), t, what + " " + key);
+    for (const auto& [key, v] : se.scalars) CHECK_MESSAGE(sg.scalars.at(key) == v, what, " ", key);
+  };
+  // Step 1 eagerly (it sizes the staged tables), step 2 captured and replayed, 3-5 replays.
+  set_grads(1);
+  oe.step();
+  og.step();
+  check_same("eager step 1");
+  const Stream s = new_stream(kGpu);
+  StreamGuard guard(s);
+  cuda::Graph graph;
+  for (int step = 2; step <= 5; ++step) {
+    set_grads(step);
+    oe.set_group_lr(0, 0.05 / step);  // an lr schedule: staged, not captured
+    og.set_group_lr(0, 0.05 / step);
+    oe.step();
+    if (step == 2) {
+      graph.capture_begin(s);
+      og.step();
+      graph.capture_end();
+    } else {
+      og.stage_replay();
+    }
+    graph.replay(s);
+    synchronize(s);
+    check_same("replayed step " + std::to_string(step));
+  }
+  // A step the device skips changes nothing, and unstep() takes its count back.
+  const std::vector<Tensor> before = {pg[0].clone(), pg[1].clone(), pg[2].clone()};
+  set_grads(6);
+  skip.copy_(full({}, 1.0, {.dtype = DType::b8}));
+  og.stage_replay();
+  graph.replay(s);
+  synchronize(s);
+  og.unstep();
+  for (size_t k = 0; k < 3; ++k) check_equal(pg[k], before[k], "skipped step param " + std::to_string(k));
+  CHECK(og.step_count() == oe.step_count());
+  skip.copy_(full({}, 0.0, {.dtype = DType::b8}));
+  oe.step();
+  og.stage_replay();
+  graph.replay(s);
+  synchronize(s);
+  check_same("replay after a skipped step");
+}

@@ -218,6 +218,22 @@ TEST_CASE("config: train.device cuda is one GPU in one process; more ranks are r
   CHECK_THROWS_WITH_AS(parse(kMinimal + "train: {device: gpu}\n"), doctest::Contains("train.device"), Error);
 }
 
+TEST_CASE("config: train.cuda_graphs needs train.device cuda and a dense model, naming the keys") {
+  const RecipeConfig c = parse(kMinimal + "train: {device: cuda, cuda_graphs: true}\n");
+  CHECK(c.train.cuda_graphs);
+  CHECK_FALSE(parse(kMinimal).train.cuda_graphs);
+  CHECK(check_recipe(c, 1).dp() == 1);
+  CHECK_THROWS_WITH_AS(parse(kMinimal + "train: {cuda_graphs: true}\n"),
+                       doctest::Contains("[config] train.cuda_graphs captures a GPU step: it needs train.device: cuda"),
+                       Error);
+  const RecipeConfig moe = parse(kMinimal + "train: {device: cuda, cuda_graphs: true}\n"
+                                 "model: {num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 32}\n");
+  CHECK_THROWS_WITH_AS(check_recipe(moe, 1),
+                       doctest::Contains("[config] train.cuda_graphs captures the step of a dense model; MoE models "
+                                         "(model.num_experts 4) are not captured yet"),
+                       Error);
+}
+
 TEST_CASE("config: rules that need the world size name the keys and every factor") {
   RecipeConfig c = parse(kMinimal + "train: {global_batch_size: 8, micro_batch_size: 4}\n");
   CHECK(check_recipe(c, 2).dp() == 2);
