@@ -296,6 +296,11 @@ bool Storage::record_stream(const Stream& stream) const {
   return impl_->allocator->record_stream(impl_->data, stream);
 }
 
+bool Storage::is_pinned() const {
+  return impl_ && impl_->allocator && impl_->device.is_cpu() && cuda::is_available() &&
+         impl_->allocator == cuda::pinned_host_allocator();
+}
+
 Storage Storage::allocate_pinned(size_t nbytes) {
   Allocator* alloc = cuda::pinned_host_allocator();
   const Stream stream = current_stream(Device::cpu());

@@ -101,6 +101,9 @@ class Storage {
   /// reuses it only after that stream's work up to the free is done. False when the storage is
   /// borrowed or its allocator tracks no streams; then the caller keeps it alive until done.
   bool record_stream(const Stream& stream) const;
+  /// True for page-locked host memory (allocate_pinned with CUDA present): what an
+  /// asynchronous copy to or from a device needs.
+  bool is_pinned() const;
 
  private:
   struct Impl {

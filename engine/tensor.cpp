@@ -203,7 +203,7 @@ Tensor Tensor::unsqueeze(int64_t d) const { return quilt::unsqueeze(*this, d); }
 Tensor Tensor::flatten(int64_t s, int64_t e) const { return quilt::flatten(*this, s, e); }
 Tensor Tensor::contiguous() const { return quilt::contiguous(*this); }
 Tensor Tensor::to(DType dt) const { return quilt::to(*this, dt); }
-Tensor Tensor::to(Device d) const { return quilt::to(*this, d); }
+Tensor Tensor::to(Device d, bool non_blocking) const { return quilt::to(*this, d, non_blocking); }
 Tensor Tensor::clone() const { return quilt::clone(*this); }
 Tensor Tensor::matmul(const Tensor& o) const { return quilt::matmul(*this, o); }
 Tensor Tensor::sum() const { return quilt::sum(*this); }

@@ -110,6 +110,8 @@ class Tensor {
   /// The tensor's memory is used on `s` too (Storage::record_stream); false when the caller
   /// must keep it alive until that use completes.
   bool record_stream(const Stream& s) const { return storage().record_stream(s); }
+  /// In page-locked host memory (TensorOptions::pinned with CUDA present).
+  bool is_pinned() const { return storage().is_pinned(); }
   /// Address of element 0 (storage base + offset).
   void* data_ptr() const;
   /// Typed pointer to element 0; throws if T does not match dtype().
@@ -181,7 +183,11 @@ class Tensor {
 
   // ---- copies ----
   Tensor to(DType dtype) const;
-  Tensor to(Device device) const;
+  /// A copy on `device` (this tensor when already there). `non_blocking`: a copy between pinned
+  /// host memory and a GPU is queued on the device's current stream without waiting (a copy to
+  /// the host then lands in pinned memory, valid after that stream is synchronised); other
+  /// copies wait as without it.
+  Tensor to(Device device, bool non_blocking = false) const;
   Tensor clone() const;
   /// In-place: copies `src` (broadcast, cast, any device) into this tensor's elements.
   Tensor& copy_(const Tensor& src);

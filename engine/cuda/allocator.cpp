@@ -3,9 +3,11 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <list>
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/caching_pool.h"
@@ -132,11 +134,14 @@ namespace cuda {
 namespace {
 // Page-locked host blocks, cached by exact size (staging buffers repeat their sizes step after
 // step, and cudaHostAlloc is expensive). Falls back to ordinary memory when CUDA is absent.
+// A block a stream copied from or into (record_stream: an asynchronous copy) is freed into a
+// pending list with an event per such stream, and cached only once they have all completed.
 class PinnedHostAllocator final : public Allocator {
  public:
   void* allocate(size_t bytes, const Stream&) override {
     if (bytes == 0) return nullptr;
     std::lock_guard<std::mutex> lock(mu_);
+    collect_pending();
     auto it = cache_.find(bytes);
     if (it != cache_.end()) {
       void* p = it->second;
@@ -156,12 +161,65 @@ class PinnedHostAllocator final : public Allocator {
   void deallocate(void* p, size_t bytes, const Stream&) override {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu_);
-    cache_.emplace(bytes, p);
+    auto used = streams_.find(p);
+    if (used == streams_.end()) {
+      cache_.emplace(bytes, p);
+      return;
+    }
+    Pending pending{.ptr = p, .bytes = bytes};
+    // During a graph capture no event may be recorded; a captured copy reads the block at every
+    // replay, so it is never handed out again.
+    if (capture_underway()) {
+      streams_.erase(used);
+      return;
+    }
+    for (const Stream& s : used->second) {
+      cuda_detail::DeviceGuard g(s.device.index);
+      cudaEvent_t e = nullptr;
+      QUILT_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      QUILT_CHECK_CUDA(cudaEventRecord(e, static_cast<cudaStream_t>(s.handle)));
+      pending.events.push_back(e);
+    }
+    streams_.erase(used);
+    pending_.push_back(std::move(pending));
+  }
+  bool record_stream(void* p, const Stream& s) override {
+    if (!p || !s.device.is_cuda()) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Stream>& list = streams_[p];
+    for (const Stream& x : list)
+      if (x.device == s.device && x.handle == s.handle) return true;
+    list.push_back(s);
+    return true;
   }
 
  private:
+  struct Pending {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    std::vector<cudaEvent_t> events;
+  };
+  // Caches the pending blocks whose streams are past their copies (never during a capture,
+  // when querying an event is illegal).
+  void collect_pending() {
+    if (pending_.empty() || capture_underway()) return;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      bool done = true;
+      for (cudaEvent_t e : it->events) done = done && cudaEventQuery(e) == cudaSuccess;
+      cudaGetLastError();  // a not-ready query leaves an error code behind
+      if (!done) {
+        ++it;
+        continue;
+      }
+      for (cudaEvent_t e : it->events) cudaEventDestroy(e);
+      cache_.emplace(it->bytes, it->ptr);
+      it = pending_.erase(it);
+    }
+  }
   std::mutex mu_;
   std::multimap<size_t, void*> cache_;
+  std::unordered_map<void*, std::vector<Stream>> streams_;  // live blocks used by streams
+  std::list<Pending> pending_;
 };
 }  // namespace
 

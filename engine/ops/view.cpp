@@ -179,13 +179,40 @@ class Slice final : public AnyDevicePrimitive {
 };
 
 // Contiguous copy, cast and device transfer share one primitive.
+// A copy between pinned host memory and a GPU queued on the device's current stream, no wait:
+// when both sides are contiguous, of one dtype and shape, and the host side is pinned. The host
+// block is marked used by that stream, so its allocator reuses it only after the copy. False
+// (nothing done) otherwise.
+bool copy_without_waiting(Tensor& dst, const Tensor& src) {
+  const bool to_device = src.device().is_cpu() && dst.device().is_cuda();
+  const bool to_host = src.device().is_cuda() && dst.device().is_cpu();
+  const Tensor& host = to_device ? src : dst;
+  if (!(to_device || to_host) || !host.is_pinned() || src.dtype() != dst.dtype() || src.shape() != dst.shape() ||
+      !src.is_contiguous() || !dst.is_contiguous())
+    return false;
+  const Device gpu = to_device ? dst.device() : src.device();
+  const Stream s = current_stream(gpu);
+  if (dst.nbytes() == 0) return true;
+  cuda_rt::memcpy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes(),
+                        to_device ? cuda_rt::CopyKind::host_to_device : cuda_rt::CopyKind::device_to_host, s);
+  host.record_stream(s);
+  return true;
+}
+
 class Copy final : public AnyDevicePrimitive {
  public:
-  Copy(DType dtype, Device device, const char* name) : dtype_(dtype), device_(device), name_(name) {}
+  Copy(DType dtype, Device device, const char* name, bool non_blocking = false)
+      : dtype_(dtype), device_(device), name_(name), non_blocking_(non_blocking) {}
   const char* name() const override { return name_; }
   std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
-    Tensor out = Tensor::empty(in[0].shape(), {.dtype = dtype_, .device = device_});
-    out.copy_(in[0]);
+    const Tensor& x = in[0];
+    if (non_blocking_ && x.device() != device_ && x.numel() > 0) {
+      // To the host: into pinned memory, so the copy can run while the host goes on.
+      Tensor out = Tensor::empty(x.shape(), {.dtype = dtype_, .device = device_, .pinned = device_.is_cpu()});
+      if (copy_without_waiting(out, x)) return {out};
+    }
+    Tensor out = Tensor::empty(x.shape(), {.dtype = dtype_, .device = device_});
+    out.copy_(x);
     return {out};
   }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
@@ -203,6 +230,7 @@ class Copy final : public AnyDevicePrimitive {
   DType dtype_;
   Device device_;
   const char* name_;
+  bool non_blocking_;
 };
 
 void check_inplace(const Tensor& t, const char* op) {
@@ -372,9 +400,9 @@ Tensor cast(const Tensor& x, DType dtype) {
   return apply1(std::make_shared<Copy>(dtype, x.device(), "cast"), {x});
 }
 Tensor to(const Tensor& x, DType dtype) { return cast(x, dtype); }
-Tensor to(const Tensor& x, Device device) {
+Tensor to(const Tensor& x, Device device, bool non_blocking) {
   if (x.device() == device) return x;
-  return apply1(std::make_shared<Copy>(x.dtype(), device, "to"), {x});
+  return apply1(std::make_shared<Copy>(x.dtype(), device, "to", non_blocking), {x});
 }
 Tensor clone(const Tensor& x) { return apply1(std::make_shared<Copy>(x.dtype(), x.device(), "clone"), {x}); }
 

@@ -26,7 +26,7 @@ Tensor as_strided(const Tensor& x, const Shape& shape, const Shape& strides, int
 Tensor contiguous(const Tensor& x);
 /// Copy with dtype/device change (differentiable; the gradient casts back).
 Tensor to(const Tensor& x, DType dtype);
-Tensor to(const Tensor& x, Device device);
+Tensor to(const Tensor& x, Device device, bool non_blocking = false);  // see Tensor::to
 Tensor cast(const Tensor& x, DType dtype);
 Tensor clone(const Tensor& x);
 

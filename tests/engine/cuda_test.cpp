@@ -327,6 +327,34 @@ TEST_CASE("cuda: work on a side stream is ordered with events and copies round-t
   check_equal(gpu(x).to(Device::cpu()), x, "host -> device -> host");
 }
 
+TEST_CASE("cuda: non-blocking copies between pinned memory and the GPU; a pinned block is not reused under a copy") {
+  SKIP_WITHOUT_CUDA();
+  const Tensor x = randn({1 << 20}, RngKey(62, "x"));
+  Tensor pinned = Tensor::empty(x.shape(), {.dtype = DType::f32, .pinned = true});
+  REQUIRE(pinned.is_pinned());
+  pinned.copy_(x);
+  // Work queued ahead keeps the stream busy, so the copy below is still pending when the host
+  // frees its source and allocates (and overwrites) a block of the same size.
+  const Tensor big = randn({2048, 2048}, RngKey(62, "a")).to(kGpu);
+  Tensor busy = big;
+  for (int i = 0; i < 8; ++i) busy = matmul(busy, big) * (1.0 / 2048);
+  Tensor on_gpu = pinned.to(kGpu, /*non_blocking=*/true);
+  pinned = Tensor();
+  Tensor other = Tensor::empty(x.shape(), {.dtype = DType::f32, .pinned = true});
+  other.fill_(-7.0);
+  synchronize(current_stream(kGpu));
+  check_equal(on_gpu, x, "pinned -> device, source freed and its size allocated again before the copy ran");
+  // Back to the host: pinned, valid once the stream is synchronised; a pageable or strided
+  // source takes the waiting path and gives the same values.
+  Tensor back = on_gpu.to(Device::cpu(), true);
+  CHECK(back.is_pinned());
+  synchronize(current_stream(kGpu));
+  check_equal(back, x, "device -> pinned host");
+  check_equal(x.to(kGpu, true), x, "pageable -> device (waits)");
+  check_equal(transpose(gpu(x.reshape({1024, 1024})), 0, 1).to(Device::cpu(), true), transpose(x.reshape({1024, 1024}), 0, 1),
+              "strided device -> host (waits)");
+}
+
 TEST_CASE("cuda: record_stream and graphs refuse what they cannot do, on every build") {
   CHECK_FALSE(cuda::capture_underway());
   Tensor host = ones({4});

@@ -274,6 +274,11 @@ TEST_CASE("host allocator: pinned host tensors still allocate, hold data and fre
     Storage s = Storage::allocate_pinned(100);
     CHECK(s.data() != nullptr);
     CHECK(s.nbytes() == 100);
+    // Page-locked only where CUDA is present; without it the ordinary host allocator serves.
+    CHECK(t.is_pinned() == cuda::is_available());
+    CHECK_FALSE(Tensor::empty({4}).is_pinned());
+    // A non-blocking copy to the tensor's own device is the tensor itself, as a blocking one.
+    CHECK(t.to(Device::cpu(), true).is_same(t));
   }
   CHECK(cpu_memory_stats().allocated == base.allocated);
 }
