@@ -4,11 +4,14 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 
 #include "collectives/launch.h"
+#include "engine/engine.h"
 #include "engine/error.h"
 
 namespace quilt {
@@ -31,13 +34,38 @@ std::string short_duration(double seconds) {
   return buf;
 }
 
-double peak_tflops_per_rank(Device device) {
+namespace {
+
+// TFLOP/s of a 1024^3 GEMM in `dt` on this rank's threads: the best of three after a warm-up.
+double measured_gemm_tflops(DType dt) {
+  NoGradGuard ng;
+  const int64_t n = 1024;
+  const Tensor a = randn({n, n}, RngKey(0, "peak a"), {.dtype = dt});
+  const Tensor b = randn({n, n}, RngKey(0, "peak b"), {.dtype = dt});
+  double best = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const Tensor c = matmul(a, b);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best = std::max(best, 2.0 * double(n * n * n) / s / 1e12);
+  }
+  return best;
+}
+
+}  // namespace
+
+double peak_tflops_per_rank(Device device, DType compute) {
   if (const char* s = std::getenv("QUILT_PEAK_TFLOPS")) {
     const double peak = std::atof(s);
     return device.is_cpu() ? peak / double(std::max(1, launch_info().local_size)) : peak;
   }
-  // A GPU: a Hopper's dense bf16 rate (H100/H200 SXM); a host's cores: shared by its ranks.
-  return device.is_cpu() ? 0.25 / double(std::max(1, launch_info().local_size)) : 989.0;
+  // A GPU: a Hopper's dense bf16 rate (H100/H200 SXM).
+  if (!device.is_cpu()) return 989.0;
+  const DType dt = compute == DType::bf16 ? DType::bf16 : DType::f32;
+  static std::map<DType, double> measured;  // once per process and dtype
+  auto it = measured.find(dt);
+  if (it == measured.end()) it = measured.emplace(dt, measured_gemm_tflops(dt)).first;
+  return it->second;
 }
 
 std::string step_line(const StepMetrics& m) {

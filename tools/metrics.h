@@ -14,10 +14,12 @@
 
 namespace quilt {
 
-/// Peak throughput per rank for MFU. On the host: the measured f32 BLAS ceiling of this kind of
-/// machine (docs/PERF.md) shared by the ranks of one host; on a GPU (train.device cuda): a
-/// Hopper's dense bf16 rate, 989 TFLOP/s. QUILT_PEAK_TFLOPS overrides either.
-double peak_tflops_per_rank(Device device = Device::cpu());
+/// Peak throughput per rank for MFU. On the host: a 1024^3 GEMM in `compute` (the parameters'
+/// dtype: f32, or bf16 where the CPU multiplies it natively) timed once per process on this
+/// rank's threads (best of three), so MFU is against what this machine's GEMM does, whatever
+/// the CPU; on a GPU (train.device cuda): a Hopper's dense bf16 rate, 989 TFLOP/s.
+/// QUILT_PEAK_TFLOPS (TFLOP/s per host, or per GPU) overrides either.
+double peak_tflops_per_rank(Device device = Device::cpu(), DType compute = DType::f32);
 
 /// "step: 10  loss: 2.3412  grad_norm: 0.5123  memory: 0.01GiB  tps: 12,345  tflops: 0.012  mfu: 4.80%
 /// elapsed: 1m05s  eta: 20m40s".

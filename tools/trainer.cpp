@@ -222,7 +222,7 @@ StepMetrics train_step(Run& r, GraphedStep* graphed) {
   const double tokens = double(r.cfg.train.global_batch_size * r.cfg.train.seq_len);
   m.tps = tokens / secs;
   m.tflops = r.flops_per_token * tokens / double(r.world->size()) / secs / 1e12;
-  m.mfu = m.tflops / peak_tflops_per_rank(r.device);
+  m.mfu = m.tflops / peak_tflops_per_rank(r.device, r.cfg.train.param_dtype.value_or(r.cfg.train.dtype));
   const MemoryStats mem = on_gpu ? cuda::memory_stats(r.device.index) : cpu_memory_stats();
   m.memory_gib = double(mem.peak_allocated) / double(int64_t(1) << 30);
   return m;
@@ -240,6 +240,17 @@ TrainResult train(const RecipeConfig& cfg, int64_t stop_after) {
   std::unique_ptr<Run> run = build_run(cfg);
   Run& r = *run;
   log_startup_report(r);
+  {
+    const DType compute = cfg.train.param_dtype.value_or(cfg.train.dtype);
+    char peak[32];
+    std::snprintf(peak, sizeof peak, "%.3f", peak_tflops_per_rank(r.device, compute));
+    log_line("mfu: against ", peak, " TFLOP/s per rank (",
+             std::getenv("QUILT_PEAK_TFLOPS") ? "QUILT_PEAK_TFLOPS"
+             : r.device.is_cpu() ? std::string("a 1024^3 ") + dtype_name(compute == DType::bf16 ? compute : DType::f32) +
+                                       " GEMM timed here on this rank's threads"
+                                 : std::string("a Hopper's dense bf16 peak"),
+             ")");
+  }
   if (ck.dir) {
     std::string from;
     if (ck.resume.kind == ResumeSpec::Kind::kAuto) from = latest_checkpoint(*ck.dir);
