@@ -70,12 +70,14 @@ namespace {
 
 // The micro-batch losses' sum, in f64 on the model's device, in micro-batch order.
 Tensor add_loss(const Tensor& sum, const Tensor& loss) {
-  const Tensor l = cast(loss.is_distributed() ? loss.local() : loss, DType::f64);
+  NoGradGuard ng;  // a record of the loss, not part of the graph
+  const Tensor l = cast((loss.is_distributed() ? loss.local() : loss).detach(), DType::f64);
   return sum.defined() ? add(sum, l) : l;
 }
 
 // sum / count (0 for no micro-batches), as a 0-d f64 tensor.
 Tensor mean_of(const Tensor& sum, size_t count, Device device) {
+  NoGradGuard ng;
   if (!sum.defined()) return zeros({}, {.dtype = DType::f64, .device = device});
   return div(sum, scalar_like(double(count), sum));
 }

@@ -114,6 +114,10 @@ void graphed_step(Run& r, GraphedStep& g, StepMetrics& m) {
     auto* local = dynamic_cast<LocalTrainStep*>(r.step.get());
     QUILT_CHECK(local != nullptr, "[train.cuda_graphs] captures the step of a model that runs whole on one GPU");
     r.opt->zero_grad();  // the captured backward makes every gradient afresh
+    // What the capture allocates comes from a private pool that cannot reuse the blocks the
+    // eager steps left cached: hand those back first, or the working set is held twice.
+    synchronize(g.stream);
+    cuda::empty_cache(r.device.index);
     g.graph.capture_begin(g.stream);
     g.loss = local->run_local(g.batches);
     g.norm = dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, nullptr);
@@ -202,8 +206,10 @@ StepMetrics train_step(Run& r, GraphedStep* graphed) {
   if (graphed && graphed->eager_steps >= GraphedStep::kEagerSteps) {
     graphed_step(r, *graphed, m);
   } else {
-    if (graphed && ++graphed->eager_steps == GraphedStep::kEagerSteps) r.opt->prepare_graph_steps(graphed->skip);
+    // The last eager step sizes the optimizer's staged tables: it counts once it has updated.
+    if (graphed && graphed->eager_steps == GraphedStep::kEagerSteps - 1) r.opt->prepare_graph_steps(graphed->skip);
     eager_step(r, m, pipe, tracing);
+    if (graphed && !m.skipped) ++graphed->eager_steps;
   }
   if (r.dp.fsdp) m.gather_wait_s = r.dp.fsdp->all_gather_wait_seconds() - waited;
   r.skipped_in_a_row = m.skipped ? r.skipped_in_a_row + 1 : 0;
@@ -224,7 +230,9 @@ StepMetrics train_step(Run& r, GraphedStep* graphed) {
   m.tflops = r.flops_per_token * tokens / double(r.world->size()) / secs / 1e12;
   m.mfu = m.tflops / peak_tflops_per_rank(r.device, r.cfg.train.param_dtype.value_or(r.cfg.train.dtype));
   const MemoryStats mem = on_gpu ? cuda::memory_stats(r.device.index) : cpu_memory_stats();
-  m.memory_gib = double(mem.peak_allocated) / double(int64_t(1) << 30);
+  // A replayed step allocates nothing: its working set is the graph's pool, held as reserved.
+  const bool replayed = graphed && graphed->graph.captured();
+  m.memory_gib = double(replayed ? mem.reserved : mem.peak_allocated) / double(int64_t(1) << 30);
   return m;
 }
 

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "engine/caching_pool.h"
@@ -149,43 +150,52 @@ class PinnedHostAllocator final : public Allocator {
       return p;
     }
     void* p = nullptr;
-    if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) {
+    if (host_alloc(&p, bytes) != cudaSuccess) {
       cudaGetLastError();
       for (auto& [size, q] : cache_) cudaFreeHost(q);
       cache_.clear();
-      QUILT_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault) == cudaSuccess, "[cuda] cannot allocate ", bytes,
-                  " bytes of pinned host memory");
+      QUILT_CHECK(host_alloc(&p, bytes) == cudaSuccess, "[cuda] cannot allocate ", bytes, " bytes of pinned host memory");
     }
     return p;
   }
+  // Called from Storage's destructor: never throws (a failed event keeps the block out of use).
   void deallocate(void* p, size_t bytes, const Stream&) override {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu_);
+    // A block a captured copy reads is read again at every replay: never handed out again. So
+    // is one freed during a capture, when no event may be recorded.
+    if (captured_.erase(p) > 0 || (streams_.count(p) > 0 && capture_underway())) {
+      streams_.erase(p);
+      return;
+    }
     auto used = streams_.find(p);
     if (used == streams_.end()) {
       cache_.emplace(bytes, p);
       return;
     }
-    Pending pending{.ptr = p, .bytes = bytes};
-    // During a graph capture no event may be recorded; a captured copy reads the block at every
-    // replay, so it is never handed out again.
-    if (capture_underway()) {
-      streams_.erase(used);
-      return;
-    }
+    Pending pending{.ptr = p, .bytes = bytes, .events = {}};
+    bool recorded = true;
     for (const Stream& s : used->second) {
       cuda_detail::DeviceGuard g(s.device.index);
       cudaEvent_t e = nullptr;
-      QUILT_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      QUILT_CHECK_CUDA(cudaEventRecord(e, static_cast<cudaStream_t>(s.handle)));
-      pending.events.push_back(e);
+      recorded = recorded && cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess &&
+                 cudaEventRecord(e, static_cast<cudaStream_t>(s.handle)) == cudaSuccess;
+      if (e) pending.events.push_back(e);
     }
     streams_.erase(used);
+    if (!recorded) {
+      cudaGetLastError();
+      return;
+    }
     pending_.push_back(std::move(pending));
   }
   bool record_stream(void* p, const Stream& s) override {
     if (!p || !s.device.is_cuda()) return false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const bool capturing = cudaStreamIsCapturing(static_cast<cudaStream_t>(s.handle), &status) == cudaSuccess &&
+                           status != cudaStreamCaptureStatusNone;
     std::lock_guard<std::mutex> lock(mu_);
+    if (capturing) captured_.insert(p);
     std::vector<Stream>& list = streams_[p];
     for (const Stream& x : list)
       if (x.device == s.device && x.handle == s.handle) return true;
@@ -216,9 +226,18 @@ class PinnedHostAllocator final : public Allocator {
       it = pending_.erase(it);
     }
   }
+  // cudaHostAlloc in the thread's relaxed capture mode: a capture elsewhere must not refuse it.
+  static cudaError_t host_alloc(void** p, size_t bytes) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    const cudaError_t err = cudaHostAlloc(p, bytes, cudaHostAllocDefault);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    return err;
+  }
   std::mutex mu_;
   std::multimap<size_t, void*> cache_;
   std::unordered_map<void*, std::vector<Stream>> streams_;  // live blocks used by streams
+  std::unordered_set<void*> captured_;                      // live blocks a captured copy uses
   std::list<Pending> pending_;
 };
 }  // namespace

@@ -7,6 +7,7 @@
 #include "engine/device.h"
 #include "engine/error.h"
 #include "kernels/cuda/check.cuh"
+#include "kernels/cuda/kernels.h"
 
 namespace quilt::cuda {
 
@@ -69,6 +70,9 @@ void Graph::replay(const Stream& s) {
   QUILT_CHECK(s.device == stream_.device, "[cuda graph] replay on ", s.device.str(), " of a graph captured on ",
               stream_.device.str());
   cuda_detail::DeviceGuard g(s.device.index);
+  // A replay launches no kernel from the host, so nothing else would tell the next
+  // synchronisation to read the device's error slot (a bad index reported inside the graph).
+  (void)kernels::cuda::device_error_slot();
   QUILT_CHECK_CUDA(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), static_cast<cudaStream_t>(s.handle)));
   last_replay_ = s;
 }

@@ -45,6 +45,7 @@ namespace {
 // Scales every gradient by a coefficient computed on the norm's own device (1 when the norm is
 // within bounds or not finite): no host read, for a norm that lives on several ranks or on a GPU.
 Tensor clip_on_device(const std::vector<Tensor>& params, const Tensor& total, double max_norm) {
+  if (std::isinf(max_norm)) return total;  // no clipping: the gradients are left alone
   NoGradGuard ng;
   Tensor finite = lt(abs(total), scalar_like(std::numeric_limits<double>::infinity(), total));
   Tensor clip = logical_and(finite, gt(total, scalar_like(max_norm, total)));

@@ -115,10 +115,19 @@ void Optimizer::prepare_graph_steps(Tensor skip) {
 kernels::cuda::OptimLaunch Optimizer::graph_launch(int device, std::vector<Update>& updates) {
   GraphDevice& gd = graph_[device];
   const size_t bytes = cuda_table_bytes(updates);
+  if (cuda::capture_underway()) {
+    // The capture must update what the eager step that sized the tables did: the same
+    // parameters in the same order (their tables are staged in that layout at every replay).
+    bool same = gd.table.bytes >= bytes && gd.updates.size() == updates.size();
+    for (size_t k = 0; same && k < updates.size(); ++k)
+      same = gd.updates[k].param.data_ptr() == updates[k].param.data_ptr();
+    QUILT_CHECK(same, "[", name_, "] the captured step updates ", updates.size(), " parameters on ",
+                Device::cuda(device).str(), ", the eager step before it ", gd.updates.size(),
+                " (or others): run one step eagerly after prepare_graph_steps() that updates what the capture will");
+  }
   if (gd.table.bytes < bytes) {
-    QUILT_CHECK(!cuda::capture_underway(), "[", name_, "] a captured step needs ", bytes, " bytes of staged tables on ",
-                Device::cuda(device).str(), " but has ", gd.table.bytes,
-                ": run one step eagerly after prepare_graph_steps() and before the capture");
+    // The old tables may still be read by the last step's copy.
+    if (gd.host.defined()) synchronize(current_stream(Device::cuda(device)));
     gd.host = Tensor::empty({int64_t(bytes)}, {.dtype = DType::b8, .pinned = true});
     gd.device = Tensor::empty({int64_t(bytes)}, {.dtype = DType::b8, .device = Device::cuda(device)});
     gd.table = {.host = gd.host.data_ptr(), .device = gd.device.data_ptr(), .bytes = bytes};
@@ -186,6 +195,9 @@ void Optimizer::step() {
   updates.reserve(pending.size());
   for (Pending& pd : pending) {
     ParamState& st = pd.group->state[pd.index];
+    QUILT_CHECK(!st.buffers.empty() || !graph_steps_ || !cuda::capture_underway(), "[", name_, "] parameter '",
+                pd.group->keys[pd.index], "' gets its first gradient in a captured step, whose replays would zero its "
+                "state again each time: capture after an eager step that updates every parameter the graph does");
     if (st.buffers.empty())
       for (size_t b = 0; b < buffer_names_.size(); ++b) st.buffers.push_back(new_buffer(pd.group->params[pd.index]));
     ++st.step;

@@ -85,18 +85,20 @@ case "$mode" in
     grep -q "resumed from" "$work/second.log" || { cat "$work/second.log"; echo "did not resume"; exit 1; }
     # The resumed GPU run continues the straight one (same kernels, same order).
     "$compare" "$work/gpu/metrics.jsonl" "$work/second/metrics.jsonl" 1e-6 5
-    # train.cuda_graphs: steps 1-2 eager, step 3 captured, 3-8 replays of it, with the lr schedule
-    # moving every step (staged, not captured) and 2 micro-batches; the same kernels in the same
+    # train.cuda_graphs: steps 1-2 eager, step 3 captured, 3-10 replays of it, with the lr schedule
+    # moving every step (staged, not captured) and 2 micro-batches (global 4 = 2 x 2: the second
+    # backward adds into the first's gradients inside the graph); the same kernels in the same
     # order as the eager GPU run, so the same curve.
-    run gpu_acc 1 --set train.steps=8 --set train.device=cuda --set train.micro_batch_size=4
-    run graphs 1 --set train.steps=8 --set train.device=cuda --set train.micro_batch_size=4 --set train.cuda_graphs=true
+    acc=(--set train.steps=10 --set train.device=cuda --set train.micro_batch_size=2)
+    run gpu_acc 1 "${acc[@]}"
+    run graphs 1 "${acc[@]}" --set train.cuda_graphs=true
     grep -q "train.cuda_graphs: step 3 captured" "$work/graphs.log" || { cat "$work/graphs.log"; echo "no capture"; exit 1; }
     "$compare" "$work/gpu_acc/metrics.jsonl" "$work/graphs/metrics.jsonl" 1e-6
-    # A checkpoint written after replays resumes eagerly and continues the same curve.
-    run gfirst 1 --set train.steps=8 --stop-after 5 --set train.device=cuda --set train.micro_batch_size=4 \
-      --set train.cuda_graphs=true --set "checkpoint.dir=$work/gckpt"
-    run gsecond 1 --set train.steps=8 --set train.device=cuda --set train.micro_batch_size=4 --set train.cuda_graphs=true \
-      --set "checkpoint.dir=$work/gckpt" --set checkpoint.resume=auto
+    # A checkpoint written after replays (step 5) resumes: steps 6-7 eager, 8 captured, 8-10
+    # replays, continuing the same curve.
+    run gfirst 1 "${acc[@]}" --stop-after 5 --set train.cuda_graphs=true --set "checkpoint.dir=$work/gckpt"
+    run gsecond 1 "${acc[@]}" --set train.cuda_graphs=true --set "checkpoint.dir=$work/gckpt" --set checkpoint.resume=auto
+    grep -q "train.cuda_graphs: step 8 captured" "$work/gsecond.log" || { cat "$work/gsecond.log"; echo "no capture"; exit 1; }
     "$compare" "$work/graphs/metrics.jsonl" "$work/gsecond/metrics.jsonl" 1e-6 6
     ;;
   resume)
