@@ -189,6 +189,12 @@ QUILT_HD double normal_draw(const Philox4& r) {
   return mul_rn(m_sqrt(-2.0 * m_log(u1)), m_cos(mul_rn(6.283185307179586, u2)));
 }
 
+/// An integer in [low, low + range) from a Philox block: its first 64 bits modulo range.
+QUILT_HD int64_t int_draw(const Philox4& r, int64_t low, uint64_t range) {
+  const uint64_t x = (static_cast<uint64_t>(r.v[0]) << 32) | r.v[1];
+  return low + static_cast<int64_t>(x % range);
+}
+
 // ---- optimizer updates ----------------------------------------------------------------------
 
 /// One element of an SGD step (kernels/cpu/optim.h's SgdHyper) in the state type S.

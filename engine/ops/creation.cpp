@@ -155,9 +155,13 @@ Tensor randn(const Shape& shape, RngKey key, TensorOptions opts, double mean, do
 
 Tensor randint(int64_t low, int64_t high, const Shape& shape, RngKey key, TensorOptions opts) {
   QUILT_CHECK(high > low, "[randint] empty range [", low, ", ", high, ")");
-  Tensor t = Tensor::empty(shape, {.dtype = opts.dtype, .device = Device::cpu()});
-  kernels::cpu::random_int(opts.dtype, t.data_ptr(), t.numel(), low, high, key.seed, key.key);
-  return opts.device.is_cpu() ? t : t.to(opts.device);
+  // Drawn where the tensor lives (the same numbers on every device).
+  Tensor t = Tensor::empty(shape, {.dtype = opts.dtype, .device = opts.device});
+  if (t.device().is_cpu()) kernels::cpu::random_int(opts.dtype, t.data_ptr(), t.numel(), low, high, key.seed, key.key);
+  else
+    kernels::cuda::random_int(opts.dtype, t.data_ptr(), t.numel(), low, high, key.seed, key.key,
+                              ops::stream_handle(t.device()));
+  return t;
 }
 
 Generator& default_generator() {

@@ -250,9 +250,7 @@ void random_int(DType dt, void* out, int64_t n, int64_t low, int64_t high, uint6
     auto* o = static_cast<scalar_t*>(out);
     parallel_range(n, kGrain / 4, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        const Philox4 r = philox_block(seed, key, static_cast<uint64_t>(i));
-        const uint64_t x = (static_cast<uint64_t>(r.v[0]) << 32) | r.v[1];
-        const int64_t v = low + static_cast<int64_t>(x % range);
+        const int64_t v = int_draw(philox_block(seed, key, static_cast<uint64_t>(i)), low, range);
         o[i] = scalar_t(static_cast<compute_t<scalar_t>>(v));
       }
     });

@@ -24,6 +24,8 @@ void copy(DType out_dt, DType in_dt, const Loop<2>& loop, void* stream);
 void fill(DType dt, double value, const Loop<1>& loop, void* stream);
 /// Same numbers as the CPU kernels for the same (seed, key, index).
 void random_uniform(DType dt, void* out, const RandomArgs& args, void* stream);
+/// cpu::random_int's numbers, on the device: n contiguous elements in [low, high).
+void random_int(DType dt, void* out, int64_t n, int64_t low, int64_t high, uint64_t seed, uint64_t key, void* stream);
 void random_normal(DType dt, void* out, const RandomArgs& args, void* stream);
 /// Reductions as on the CPU (ReduceLoop with device pointers).
 void reduce(ReduceOp op, DType in_dt, DType out_dt, const ReduceLoop& loop, void* stream);

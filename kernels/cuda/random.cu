@@ -24,6 +24,17 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// Element i (of a whole contiguous tensor) gets int_draw of Philox(seed, key, i), as on the CPU.
+template <class T>
+__global__ void __launch_bounds__(kBlock)
+    random_int_kernel(T* __restrict__ out, int64_t n, int64_t low, uint64_t range, uint64_t seed, uint64_t key) {
+  const int64_t stride = int64_t(gridDim.x) * kBlock;
+  for (int64_t i = int64_t(blockIdx.x) * kBlock + threadIdx.x; i < n; i += stride) {
+    const int64_t v = int_draw(philox_block(seed, key, static_cast<uint64_t>(i)), low, range);
+    out[i] = Num<T>::store(static_cast<compute_t<T>>(v));
+  }
+}
+
 bool is_flat(const RandomArgs& a) {
   int64_t expect = 1;
   for (int d = a.ndim - 1; d >= 0; --d) {
@@ -55,6 +66,16 @@ void random_uniform(DType dt, void* out, const RandomArgs& args, void* stream) {
 void random_normal(DType dt, void* out, const RandomArgs& args, void* stream) {
   if (!is_floating(dt)) fail_dtype("randn", dt);
   launch<true>(dt, out, args, as_stream(stream));
+}
+
+void random_int(DType dt, void* out, int64_t n, int64_t low, int64_t high, uint64_t seed, uint64_t key, void* stream) {
+  if (n == 0) return;
+  const uint64_t range = static_cast<uint64_t>(high - low);
+  QUILT_DISPATCH_ALL(dt, [&] {
+    random_int_kernel<scalar_t><<<grid_for(n, kBlock), kBlock, 0, as_stream(stream)>>>(static_cast<scalar_t*>(out), n,
+                                                                                       low, range, seed, key);
+    QUILT_CHECK_LAUNCH();
+  });
 }
 
 }  // namespace quilt::kernels::cuda

@@ -18,6 +18,7 @@ void copy(DType, DType, const Loop<2>&, void*) { missing("copy"); }
 void fill(DType, double, const Loop<1>&, void*) { missing("fill"); }
 void random_uniform(DType, void*, const RandomArgs&, void*) { missing("rand"); }
 void random_normal(DType, void*, const RandomArgs&, void*) { missing("randn"); }
+void random_int(DType, void*, int64_t, int64_t, int64_t, uint64_t, uint64_t, void*) { missing("randint"); }
 void reduce(ReduceOp, DType, DType, const ReduceLoop&, void*) { missing("reduce"); }
 void gemm(DType, const GemmArgs&, void*) { missing("matmul"); }
 void softmax_forward(DType, void*, const void*, int64_t, int64_t, bool, void*) { missing("softmax"); }

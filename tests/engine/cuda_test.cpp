@@ -355,6 +355,17 @@ TEST_CASE("cuda: non-blocking copies between pinned memory and the GPU; a pinned
               "strided device -> host (waits)");
 }
 
+TEST_CASE("cuda: randint draws on the device the CPU's integers, for integer and floating dtypes") {
+  SKIP_WITHOUT_CUDA();
+  for (DType dt : {DType::i64, DType::i32, DType::f32, DType::bf16}) {
+    const Tensor want = randint(-7, 1000, {3, 1031}, RngKey(63, "r"), {.dtype = dt});
+    const Tensor got = randint(-7, 1000, {3, 1031}, RngKey(63, "r"), {.dtype = dt, .device = kGpu});
+    REQUIRE(got.device() == kGpu);
+    check_equal(got, want, std::string("randint ") + dtype_name(dt));
+  }
+  CHECK(randint(0, 5, {0}, RngKey(63, "e"), {.dtype = DType::i64, .device = kGpu}).numel() == 0);
+}
+
 TEST_CASE("cuda: record_stream and graphs refuse what they cannot do, on every build") {
   CHECK_FALSE(cuda::capture_underway());
   Tensor host = ones({4});
