@@ -357,7 +357,7 @@ TEST_CASE("cuda: AdamW in a CUDA graph: replays with staged lr and step counts e
     for (size_t k = 0; k < 3; ++k) check_equal(pg[k], pe[k], what + " param " + std::to_string(k));
     const OptimizerState se = oe.state_dict(), sg = og.state_dict();
     for (const auto& [key, t] : se.tensors) check_equal(sg.tensors.at(key), t, what + " " + key);
-    for (const auto& [key, v] : se.scalars) CHECK_MESSAGE(sg.scalars.at(key) == v, what, " ", key);
+    for (const auto& kv : se.scalars) CHECK_MESSAGE(sg.scalars.at(kv.first) == kv.second, what, " ", kv.first);
   };
   // Step 1 eagerly (it sizes the staged tables), step 2 captured and replayed, 3-5 replays.
   set_grads(1);
