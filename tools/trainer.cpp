@@ -7,7 +7,6 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -75,9 +74,6 @@ struct GraphedStep {
   int64_t eager_steps = 0;
 };
 
-// True where x is finite (NaN and infinities false), on x's device.
-Tensor finite(const Tensor& x) { return lt(abs(x), scalar_like(std::numeric_limits<double>::infinity(), x)); }
-
 // Copies this step's host micro-batches into the graph's buffers (made at the first call).
 void stage_batches(GraphedStep& g, const std::vector<Batch>& host, Device device) {
   auto fill = [&](Tensor& dst, const Tensor& src, const char* what, size_t m) {
@@ -121,7 +117,7 @@ void graphed_step(Run& r, GraphedStep& g, StepMetrics& m) {
     g.graph.capture_begin(g.stream);
     g.loss = local->run_local(g.batches);
     g.norm = dtensor::clip_grad_norm_(r.params, r.cfg.train.max_grad_norm.value_or(INFINITY), 2.0, nullptr);
-    g.skip.copy_(logical_not(logical_and(finite(g.loss), finite(g.norm))));
+    g.skip.copy_(logical_not(logical_and(isfinite(g.loss), isfinite(g.norm))));
     r.opt->step();
     g.graph.capture_end();
     log_line("train.cuda_graphs: step ", r.step_count + 1, " captured; every step from here replays it");

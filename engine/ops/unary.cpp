@@ -1,6 +1,8 @@
 // Elementwise unary ops: one primitive parameterised by the kernel op, backward per op.
 #include "engine/ops/unary.h"
 
+#include <limits>
+
 #include "engine/ops/binary.h"
 #include "engine/ops/creation.h"
 #include "engine/ops/dispatch.h"
@@ -106,6 +108,11 @@ Tensor sin(const Tensor& x) { return run(UnaryOp::sin, x); }
 Tensor cos(const Tensor& x) { return run(UnaryOp::cos, x); }
 Tensor square(const Tensor& x) { return run(UnaryOp::square, x); }
 Tensor logical_not(const Tensor& x) { return run(UnaryOp::logical_not, x); }
+Tensor isfinite(const Tensor& x) {
+  // |x| < inf is false for NaN (every comparison with it is) and for ±inf.
+  if (!is_floating(x.dtype())) return eq(x, x);
+  return lt(abs(x), scalar_like(std::numeric_limits<double>::infinity(), x));
+}
 Tensor gelu_grad(const Tensor& x) { return run(UnaryOp::gelu_grad, x); }
 Tensor operator-(const Tensor& x) { return neg(x); }
 

@@ -27,6 +27,8 @@ Tensor cos(const Tensor& x);
 Tensor square(const Tensor& x);
 /// Logical not (bool result).
 Tensor logical_not(const Tensor& x);
+/// True where x is finite, false at NaN and ±inf (bool result; integers are all finite).
+Tensor isfinite(const Tensor& x);
 /// d gelu(x) / dx (used by gelu's backward).
 Tensor gelu_grad(const Tensor& x);
 

@@ -2,7 +2,6 @@
 #include "engine/optim/clip_grad.h"
 
 #include <cmath>
-#include <limits>
 
 #include "engine/autograd.h"
 #include "engine/ops/binary.h"
@@ -47,8 +46,7 @@ namespace {
 Tensor clip_on_device(const std::vector<Tensor>& params, const Tensor& total, double max_norm) {
   if (std::isinf(max_norm)) return total;  // no clipping: the gradients are left alone
   NoGradGuard ng;
-  Tensor finite = lt(abs(total), scalar_like(std::numeric_limits<double>::infinity(), total));
-  Tensor clip = logical_and(finite, gt(total, scalar_like(max_norm, total)));
+  Tensor clip = logical_and(isfinite(total), gt(total, scalar_like(max_norm, total)));
   Tensor coef = where(clip, max_norm / (total + 1e-6), ones_like(total));
   for (const Tensor& p : params) {
     Tensor g = p.defined() ? p.grad() : Tensor();

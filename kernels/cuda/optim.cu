@@ -123,6 +123,10 @@ int64_t live_entries(std::vector<E>& entries) {
   fail_msg(what, m.c_str());
 }
 
+// The room one launch's table takes in a staged table: its bytes, 256-aligned (TableSink and
+// stage_tables lay the slices out alike).
+size_t table_slice(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 // Where the launches of one step put their tables: a stream-ordered workspace buffer each, or
 // consecutive slices of a staged table (written on the host, then copied inside the step).
 class TableSink {
@@ -147,7 +151,7 @@ class TableSink {
     std::memcpy(host, src, bytes);
     // From pinned memory: a captured copy reads the host side when the graph runs.
     QUILT_CHECK_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s_));
-    used_ += round_up(bytes);
+    used_ += table_slice(bytes);
     return dev;
   }
   void free(void* t) {
@@ -155,7 +159,6 @@ class TableSink {
   }
 
  private:
-  static size_t round_up(size_t b) { return (b + 255) / 256 * 256; }
   StagedTable* table_;
   cudaStream_t s_;
   size_t used_ = 0;
@@ -224,7 +227,7 @@ size_t stage_tables(std::span<const T> tensors, MakeEntry&& entry, void* host) {
     if (entries.empty()) return;
     const size_t bytes = entries.size() * sizeof(E);
     if (host) std::memcpy(static_cast<char*>(host) + used, entries.data(), bytes);
-    used += (bytes + 255) / 256 * 256;
+    used += table_slice(bytes);
   });
   return used;
 }

@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <limits>
 
 #include "op_harness.h"
 
@@ -82,6 +83,17 @@ TEST_CASE("ops: every binary op broadcasts like NumPy and passes the harness") {
                    .lowp_tol = std::string(b.name) == "pow" || std::string(b.name) == "div" ? 5e-2 : 0.0});
     }
   }
+}
+
+TEST_CASE("ops: isfinite is false exactly at NaN and infinities, on floating and integer tensors") {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::f64, DType::f32, DType::bf16}) {
+    const Tensor x = from_vector({1.5, -inf, 0.0, std::nan(""), inf, -2e30}, {6}, {.dtype = dt});
+    const Tensor f = isfinite(x);
+    CHECK(f.dtype() == DType::b8);
+    CHECK(f.to_vector() == std::vector<double>{1, 0, 1, 0, 0, 1});
+  }
+  CHECK(isfinite(arange(0, 4).to(DType::i64)).to_vector() == std::vector<double>{1, 1, 1, 1});
 }
 
 TEST_CASE("ops: comparisons, where and masked_fill") {
