@@ -400,47 +400,42 @@ OpCall Communicator::begin(int kind, const Tensor& subject, bool collective) {
   return c;
 }
 
-namespace {
-// A device tensor's copy in page-locked host memory (the MPI backend reads host memory only).
-Tensor stage_to_host(const Tensor& x) {
-  Tensor h = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = Device::cpu(), .pinned = true});
-  h.copy_(x);
-  return h;
-}
-}  // namespace
-
 // The backends read and write the data only (raw pointers, never autograd ops), so a contiguous
 // tensor already in the backend's memory goes as it is: no detached copy of its handle per call.
+// Any other tensor goes through a contiguous copy where the backend reads: a GPU tensor's copy in
+// page-locked host memory for a host backend (MPI), a host tensor's copy on the communicator's GPU
+// for a device backend (NCCL), so a host scalar (a loss, a count) reduces over either.
 bool Communicator::usable_as_is(const Tensor& t) const {
   if (!t.is_contiguous()) return false;
   return host_memory_only() ? !t.device().is_cuda() : t.device() == device_;
+}
+
+Device Communicator::staging_device(const Tensor& x, const char* op) const {
+  if (host_memory_only()) return Device::cpu();
+  QUILT_CHECK(!x.device().is_cuda() || x.device() == device_, "[", op, "] the ", backend_, " communicator ", name_,
+              " works on ", device_.str(), " (or host) tensors, got one on ", x.device().str());
+  return device_;
 }
 
 Tensor Communicator::prepare_input(const Tensor& t, const char* op) const {
   if (usable_as_is(t)) return t;
   NoGradGuard ng;
   Tensor x = t.detach();
-  if (!host_memory_only()) {
-    QUILT_CHECK(x.device() == device_, "[", op, "] the ", backend_, " communicator ", name_, " works on ",
-                device_.str(), " tensors, got one on ", x.device().str());
-  } else if (x.device().is_cuda()) {
-    return stage_to_host(x);
-  }
-  return x.is_contiguous() ? x : x.contiguous();
+  const Device where = staging_device(x, op);
+  if (x.device() == where) return x.contiguous();
+  Tensor staged = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = where, .pinned = !where.is_cuda()});
+  staged.copy_(x);
+  return staged;
 }
 
 Tensor Communicator::prepare_output(const Tensor& t, bool read_too, std::vector<std::function<void()>>& copy_back) const {
   if (usable_as_is(t)) return t;
   NoGradGuard ng;
   Tensor x = t.detach();
-  if (!host_memory_only())
-    QUILT_CHECK(x.device() == device_, "[communicator] the ", backend_, " communicator ", name_, " works on ",
-                device_.str(), " tensors, got one on ", x.device().str());
-  const bool stage = host_memory_only() && x.device().is_cuda();
-  if (!stage && x.is_contiguous()) return x;
-  Tensor tmp;
-  if (read_too) tmp = stage ? stage_to_host(x) : x.contiguous();
-  else tmp = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = stage ? Device::cpu() : x.device(), .pinned = stage});
+  const Device where = staging_device(x, "communicator");
+  if (x.device() == where && x.is_contiguous()) return x;
+  Tensor tmp = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = where, .pinned = !where.is_cuda() && x.device() != where});
+  if (read_too) tmp.copy_(x);
   copy_back.push_back([x, tmp]() mutable {
     NoGradGuard g;
     x.copy_(tmp);

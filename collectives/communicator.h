@@ -171,6 +171,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// Creates the sub-communicator for `color` (>= 0) or returns nullptr; called with seq assigned.
   virtual std::shared_ptr<Communicator> do_split(int color, int key, uint64_t seq) = 0;
   /// True when the backend reads host memory only: device tensors are staged through the host.
+  /// False for a device backend: host tensors are staged through the communicator's device.
   virtual bool host_memory_only() const { return true; }
   /// True when the backend compares every collective's signature across ranks, debug mode or
   /// not (then OpCall::sig is always filled; otherwise only in debug mode).
@@ -183,6 +184,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Work launch(detail::OpCall&& call, std::vector<std::function<void()>>&& copy_back, bool async_op);
   detail::OpCall begin(int kind, const Tensor& subject, bool collective);
   bool usable_as_is(const Tensor& t) const;
+  Device staging_device(const Tensor& x, const char* op) const;
   bool signs() const { return debug_ || checks_every_call(); }
   Tensor prepare_input(const Tensor& t, const char* op) const;
   Tensor prepare_output(const Tensor& t, bool read_too, std::vector<std::function<void()>>& copy_back) const;

@@ -10,6 +10,8 @@
 #include <sstream>
 #include <thread>
 
+#include <unistd.h>
+
 #include "collectives/agree.h"
 #include "collectives/internal.h"
 
@@ -189,6 +191,19 @@ void log_text(const std::string& message) {
 
 void log_text_every_rank(const std::string& message) { write_line(detail::log_rank(), message); }
 
+std::string shared_gpu_error(const std::vector<GpuIdentity>& gpus) {
+  for (size_t a = 0; a < gpus.size(); ++a)
+    for (size_t b = a + 1; b < gpus.size(); ++b) {
+      if (gpus[a].uuid != gpus[b].uuid) continue;
+      return detail::concat("[launch] the nccl backend needs a GPU per rank, but ranks ", a, " and ", b,
+                            " share the GPU ", gpus[a].bus_id, " on host ", gpus[a].host,
+                            ": launch at most as many ranks per host as it has GPUs (each local rank takes GPU "
+                            "local_rank % the GPUs it sees), or use the mpi backend (dist_env.backend: mpi), "
+                            "whose ranks may share a GPU");
+    }
+  return "";
+}
+
 const LaunchInfo& init_from_launcher(const LaunchOptions& opts) {
   LaunchState& s = launch_state();
   std::lock_guard lk(s.mu);
@@ -229,6 +244,20 @@ const LaunchInfo& init_from_launcher(const LaunchOptions& opts) {
                   s.info.device.is_cuda() ? "this build has no NCCL" : "rank has no usable GPU: " + cuda::unavailable_reason());
       use_nccl = true;
       break;
+  }
+  if (use_nccl && s.cpu_world->size() > 1) {
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    const int d = s.info.device.index;
+    const std::vector<std::string> all =
+        all_gather_text(*s.cpu_world, detail::concat(cuda::uuid(d), "\t", host, "\t", cuda::pci_bus_id(d)));
+    std::vector<GpuIdentity> gpus;
+    for (const std::string& line : all) {
+      const size_t t1 = line.find('\t'), t2 = line.find('\t', t1 + 1);
+      gpus.push_back({line.substr(0, t1), line.substr(t1 + 1, t2 - t1 - 1), line.substr(t2 + 1)});
+    }
+    const std::string err = shared_gpu_error(gpus);
+    QUILT_CHECK(err.empty(), err);
   }
   s.world = use_nccl ? make_nccl_communicator(*s.cpu_world, s.info.device, opts.comm) : s.cpu_world;
   s.initialized = true;

@@ -69,6 +69,15 @@ LauncherEnv launcher_env(const std::function<const char*(const char*)>& get);
 /// numbers the tasks of a node socket by socket).
 int device_for_local_rank(int local_rank, int device_count);
 
+/// A rank's GPU: its UUID (what identifies it) and, for messages, its host and PCI bus id.
+struct GpuIdentity {
+  std::string uuid, host, bus_id;
+};
+/// The nccl backend needs a GPU per rank (NCCL refuses two ranks of one communicator on one
+/// device). `gpus[r]` is rank r's GPU; returns the error naming the first two ranks that share
+/// one, or "" when none do.
+std::string shared_gpu_error(const std::vector<GpuIdentity>& gpus);
+
 /// Initialises MPI (when launched by a launcher), the watchdog and the world communicator.
 /// Calling it again returns the existing state. QUILT_LAUNCHER=mpi forces MPI without a
 /// launcher (an MPI singleton), QUILT_LAUNCHER=none forces one rank without MPI.

@@ -86,6 +86,11 @@ int device_count();
 std::string unavailable_reason();
 /// Makes device `i` current on this thread.
 void set_device(int i);
+/// Device `i`'s PCI bus id ("0000:41:00.0"): the same physical GPU has the same id in every
+/// process on a host, whatever CUDA_VISIBLE_DEVICES renumbered.
+std::string pci_bus_id(int i);
+/// Device `i`'s UUID (32 hex digits): unique to one physical GPU (or MIG instance) anywhere.
+std::string uuid(int i);
 /// True while a graph capture runs anywhere in this process: the watchdog then polls no event
 /// (querying one is illegal during a capture) and lets no deadline fire.
 bool capture_underway();

@@ -62,6 +62,28 @@ void set_device(int i) {
               " CUDA device(s)");
   QUILT_CHECK_CUDA(cudaSetDevice(i));
 }
+
+std::string pci_bus_id(int i) {
+  QUILT_CHECK(i >= 0 && i < device_count(), "[cuda] pci_bus_id(", i, "): this process sees ", device_count(),
+              " CUDA device(s)");
+  char id[32] = {};
+  QUILT_CHECK_CUDA(cudaDeviceGetPCIBusId(id, int(sizeof id), i));
+  return id;
+}
+
+std::string uuid(int i) {
+  QUILT_CHECK(i >= 0 && i < device_count(), "[cuda] uuid(", i, "): this process sees ", device_count(),
+              " CUDA device(s)");
+  cudaDeviceProp prop{};
+  QUILT_CHECK_CUDA(cudaGetDeviceProperties(&prop, i));
+  static const char* const kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : prop.uuid.bytes) {
+    out += kHex[b >> 4];
+    out += kHex[b & 15];
+  }
+  return out;
+}
 }  // namespace cuda
 
 namespace cuda_rt {

@@ -11,6 +11,8 @@ bool is_available() { return false; }
 int device_count() { return 0; }
 std::string unavailable_reason() { return "this build has no CUDA support (configured with QUILT_CUDA=OFF)"; }
 void set_device(int) { fail("[cuda] this build has no CUDA support"); }
+std::string pci_bus_id(int) { fail("[cuda] this build has no CUDA support"); }
+std::string uuid(int) { fail("[cuda] this build has no CUDA support"); }
 Allocator* pinned_host_allocator() { return cpu_allocator(); }
 Allocator* allocator(int) { fail("[cuda] this build has no CUDA support: no CUDA allocator"); }
 MemoryStats memory_stats(int) { return {}; }

@@ -75,3 +75,17 @@ TEST_CASE("launch env: SLURM_LOCALID picks the GPU, one per local rank, or GPU 0
   CHECK(device_for_local_rank(5, 4) == 1);
   CHECK_THROWS_WITH(device_for_local_rank(0, 0), doctest::Contains("no GPU for local rank 0"));
 }
+
+TEST_CASE("launch: the nccl backend refuses two ranks on one GPU, naming both ranks, the GPU and the host") {
+  // Two hosts of two GPUs each, the same bus ids (and host names, as containers may have) on
+  // both: distinct GPUs pass.
+  const GpuIdentity a{"aa01", "node", "0000:41:00.0"}, b{"bb02", "node", "0000:c1:00.0"},
+      c{"cc03", "node", "0000:41:00.0"}, d{"dd04", "node", "0000:c1:00.0"};
+  CHECK(shared_gpu_error({a, b, c, d}).empty());
+  CHECK(shared_gpu_error({}).empty());
+  CHECK(shared_gpu_error({a}).empty());
+  // Three ranks on a host of two GPUs: local rank 2 takes GPU 2 % 2 = 0, as rank 0 did.
+  const std::string err = shared_gpu_error({a, b, a});
+  CHECK(err.find("ranks 0 and 2 share the GPU 0000:41:00.0 on host node") != std::string::npos);
+  CHECK(err.find("dist_env.backend: mpi") != std::string::npos);
+}

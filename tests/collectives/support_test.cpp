@@ -171,6 +171,19 @@ TEST_CASE("nccl backend: the collectives suite passes at world size 1 on a GPU")
   std::string text;
   for (auto& f : failures) text += f + "\n";
   CHECK_MESSAGE(failures.empty(), text);
+  // A host tensor (a loss, a count, a strided view) goes through a copy on the communicator's GPU
+  // and its result comes back to the host; a tensor on another GPU is refused naming both.
+  Tensor host = from_vector({1, 2, 3, 4, 5, 6}, {2, 3}, {.dtype = DType::f64});
+  Tensor col = host.transpose(0, 1);
+  comm->all_reduce(col, ReduceOp::max);
+  CHECK(host.device().is_cpu());
+  CHECK(host.to_vector() == std::vector<double>{1, 2, 3, 4, 5, 6});
+  Tensor gathered = Tensor::empty({3, 2}, {.dtype = DType::f64}).transpose(0, 1);  // strided host output
+  comm->all_gather(gathered, host);
+  CHECK(gathered.to_vector() == std::vector<double>{1, 2, 3, 4, 5, 6});
+  if (cuda::device_count() > 1)
+    CHECK_THROWS_WITH_AS(comm->all_reduce(host.to(Device::cuda(1))),
+                         doctest::Contains("works on cuda:0 (or host) tensors, got one on cuda:1"), Error);
 }
 
 TEST_CASE("inline slot: the watchdog's snapshot describes the running op exactly, and nothing once it left") {
