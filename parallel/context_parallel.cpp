@@ -20,9 +20,11 @@
 
 #include "dtensor/dtensor.h"
 #include "engine/engine.h"
+#include "engine/ops/dispatch.h"
 #include "engine/primitive.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/nn.h"
+#include "kernels/cuda/attention.h"
 #include "parallel/expert_parallel.h"
 
 namespace quilt {
@@ -57,15 +59,15 @@ int64_t chunk_of(int64_t len, int cp, const std::string& what) {
 // ---- all_gather ------------------------------------------------------------------------
 
 // (cp, *x.shape) of every rank's x in rank order; the gradient is reduce-scattered back.
-class CpAllGather final : public Primitive {
+class CpAllGather final : public AnyDevicePrimitive {
  public:
   explicit CpAllGather(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
   const char* name() const override { return "context_parallel_all_gather"; }
-  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     const Tensor x = contiguous(in[0]);
     Shape shape = x.shape();
     shape.insert(shape.begin(), comm_->size());
-    Tensor out = Tensor::empty(shape, {.dtype = x.dtype()});
+    Tensor out = Tensor::empty(shape, {.dtype = x.dtype(), .device = x.device()});
     comm_->all_gather(out, x);
     return {out};
   }
@@ -73,7 +75,7 @@ class CpAllGather final : public Primitive {
     const Tensor g = contiguous(ctx.grads[0].detach());
     Shape shape = g.shape();
     shape.erase(shape.begin());
-    Tensor out = Tensor::empty(shape, {.dtype = g.dtype()});
+    Tensor out = Tensor::empty(shape, {.dtype = g.dtype(), .device = g.device()});
     comm_->reduce_scatter(out, g, ReduceOp::sum);
     return {out};
   }
@@ -94,7 +96,7 @@ Tensor gather_seq(const Tensor& x, const std::shared_ptr<Communicator>& comm) {
 
 // Integer rows (B, T) of every rank concatenated in rank order: (B, cp·T). Not differentiable.
 Tensor gather_rows(const Tensor& x, Communicator& comm) {
-  Tensor g = Tensor::empty({comm.size(), x.size(0), x.size(1)}, {.dtype = x.dtype()});
+  Tensor g = Tensor::empty({comm.size(), x.size(0), x.size(1)}, {.dtype = x.dtype(), .device = x.device()});
   comm.all_gather(g, x);
   return contiguous(reshape(permute(g, {1, 0, 2}), {x.size(0), comm.size() * x.size(1)}));
 }
@@ -147,15 +149,21 @@ Tensor a2a_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 
 // ---- ring ----------------------------------------------------------------------------------
 
-// One rank's keys: k (B, Hkv, T, D), v (B, Hkv, T, Dv) in the input dtype, and their positions
-// and documents (B, T) i32 (doc may be undefined).
+// One rank's keys: k (B, Hkv, T, D), v (B, Hkv, T, Dv) in the input dtype where the inputs lie,
+// and their positions and documents (B, T) i32 in host memory (doc may be undefined): the host
+// decides which blocks a query can see, and a GPU kernel reads a device copy of them.
 struct Block {
   Tensor k, v, pos, doc;
 };
 
-Tensor like(const Tensor& x) { return x.defined() ? Tensor::empty(x.shape(), {.dtype = x.dtype()}) : Tensor(); }
+Tensor like(const Tensor& x) {
+  return x.defined() ? Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = x.device()}) : Tensor();
+}
 
 // Starts sending `cur` to the next rank and receiving the previous rank's block into `nxt`.
+// Every rank issues the ring's transfers in one order (this rotation, then the gradient
+// accumulators' exchange of the next step, ...), so a backend that matches a pair's messages
+// by order alone (NCCL) pairs them as the tags do.
 Work rotate(Communicator& c, const Block& cur, Block& nxt) {
   const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
   nxt = {like(cur.k), like(cur.v), like(cur.pos), like(cur.doc)};
@@ -187,47 +195,44 @@ bool sees_any(const Tensor& pos, const Tensor& doc, const Block& blk) {
   return false;
 }
 
-// acc += x, both contiguous of one floating dtype (f32 or f64).
-void add_into(const Tensor& acc, const Tensor& x) {
-  const int64_t n = acc.numel();
-  if (acc.dtype() == DType::f64) {
-    double* a = acc.data<double>();
-    const double* b = x.data<double>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  } else {
-    float* a = acc.data<float>();
-    const float* b = x.data<float>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  }
+// (out, lse) = the merge of (out, lse) and a partial (o, l) over other keys: out (B, H, T, Dv),
+// lse (B, H, T), on any device. A row the partial showed nothing (l = −inf) keeps its values.
+void merge(Tensor& out, Tensor& lse, const Tensor& o, const Tensor& l) {
+  NoGradGuard ng;
+  const Tensor seen = gt(l, scalar_like(-std::numeric_limits<double>::infinity(), l));
+  const Tensor m = where(seen, maximum(lse, l), lse);
+  const Tensor a = exp(lse - m), b = exp(l - m), z = a + b;
+  const Tensor merged = (a.unsqueeze(-1) * out + b.unsqueeze(-1) * o) / z.unsqueeze(-1);
+  out = where(seen.unsqueeze(-1), merged, out);
+  lse = where(seen, m + log(z), lse);
 }
 
-// (out, lse) = the merge of (out, lse) and a partial (o, l) over other keys, rows (R, Dv) / (R).
-template <class C>
-void merge(C* out, C* lse, const C* o, const C* l, int64_t rows, int64_t dv) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if (l[r] == -std::numeric_limits<C>::infinity()) continue;  // this block showed the row nothing
-    const C m = std::max(lse[r], l[r]);
-    const C a = std::exp(lse[r] - m), b = std::exp(l[r] - m), z = a + b;
-    for (int64_t j = 0; j < dv; ++j) out[r * dv + j] = (a * out[r * dv + j] + b * o[r * dv + j]) / z;
-    lse[r] = m + std::log(z);
-  }
-}
-
-// (q, k, v, pos, [doc]) -> out; q, k, v of one floating dtype, pos/doc (B, T) i32.
-class RingAttention final : public Primitive {
+// (q, k, v, pos, [doc]) -> out; q, k, v of one floating dtype on one device, pos/doc (B, T) i32.
+// The CPU computes in f32 (f64 for f64); a GPU runs its fused kernels in f32.
+class RingAttention final : public AnyDevicePrimitive {
  public:
   explicit RingAttention(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
   const char* name() const override { return "context_parallel_ring_attention"; }
 
-  std::vector<Tensor> forward_cpu(const std::vector<Tensor>& in) override {
+  std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override {
     dt_ = in[0].dtype();
-    cd_ = kernels::cpu::stat_dtype(dt_);  // f32, f64 for f64: the kernels' compute and merge type
+    dev_ = in[0].device();
+    cd_ = dev_.is_cuda() ? DType::f32 : kernels::cpu::stat_dtype(dt_);  // compute and merge type
+    if (dev_.is_cuda())
+      QUILT_CHECK(dt_ != DType::f64 && kernels::cuda::attention_supported(cd_, in[0].size(3), in[2].size(3)),
+                  "[", name(), "] on ", dev_.str(), " runs the fused attention kernels, which take head dims of 64 or "
+                  "128 in f32/bf16/f16; got q ", in[0].shape(), ", v ", in[2].shape(), " in ", dtype_name(dt_),
+                  " (distributed.cp_comm_type all_gather or a2a take any head dim)");
     q_ = widen(contiguous(in[0].detach()));
-    own_ = {contiguous(in[1].detach()), contiguous(in[2].detach()), in[3], in.size() > 4 ? in[4] : Tensor()};
+    const Tensor host_doc = in.size() > 4 ? in[4].to(Device::cpu()) : Tensor();
+    own_ = {contiguous(in[1].detach()), contiguous(in[2].detach()), in[3].to(Device::cpu()), host_doc};
+    own_pos_ = in[3];
+    own_doc_ = in.size() > 4 ? in[4] : Tensor();
     const int64_t b = q_.size(0), hq = q_.size(1), t = q_.size(2), dv = own_.v.size(3);
-    out_ = zeros({b, hq, t, dv}, {.dtype = cd_});
-    lse_ = full({b, hq, t}, -std::numeric_limits<double>::infinity(), {.dtype = cd_});
-    Tensor o = Tensor::empty(out_.shape(), {.dtype = cd_}), l = Tensor::empty(lse_.shape(), {.dtype = cd_});
+    const TensorOptions opts{.dtype = cd_, .device = dev_};
+    out_ = zeros({b, hq, t, dv}, opts);
+    lse_ = full({b, hq, t}, -std::numeric_limits<double>::infinity(), opts);
+    const Tensor o = Tensor::empty(out_.shape(), opts), l = Tensor::empty(lse_.shape(), opts);
     Block cur = own_;
     const int cp = comm_->size();
     for (int i = 0; i < cp; ++i) {
@@ -235,12 +240,8 @@ class RingAttention final : public Primitive {
       Work w;
       if (i + 1 < cp) w = rotate(*comm_, cur, nxt);  // under this step's computation
       if (sees_any(own_.pos, own_.doc, cur)) {
-        kernels::cpu::attention_forward(cd_, args(cur), o.data_ptr(), l.data_ptr(), q_.data_ptr(),
-                                        widen(cur.k).data_ptr(), widen(cur.v).data_ptr());
-        if (cd_ == DType::f64)
-          merge(out_.data<double>(), lse_.data<double>(), o.data<double>(), l.data<double>(), b * hq * t, dv);
-        else
-          merge(out_.data<float>(), lse_.data<float>(), o.data<float>(), l.data<float>(), b * hq * t, dv);
+        kernel_forward(cur, o, l);
+        merge(out_, lse_, o, l);
       }
       if (i + 1 < cp) {
         w.wait();
@@ -254,53 +255,50 @@ class RingAttention final : public Primitive {
     Communicator& c = *comm_;
     const int cp = c.size(), next = (c.rank() + 1) % cp, prev = (c.rank() + cp - 1) % cp;
     const Tensor dout = widen(contiguous(ctx.grads[0].detach()));
-    const Tensor dq = zeros(q_.shape(), {.dtype = cd_});
+    const TensorOptions opts{.dtype = cd_, .device = dev_};
+    Tensor dq = zeros(q_.shape(), opts);
     const Tensor dq_part = like(dq);
     const Shape kshape = own_.k.shape(), vshape = own_.v.shape();
-    std::vector<Work> sends;
-    std::vector<Tensor> in_flight;  // the accumulators being sent, alive until their sends end
-    Tensor dk, dv;
+    // The accumulators of the block held last step, on their way to the next rank.
+    Tensor sent_k, sent_v;
     Block cur = own_;
     for (int i = 0; i < cp; ++i) {
+      // This block's accumulator comes from the rank that held it last step, as ours goes to
+      // the next one: one exchange, issued before the rotation on every rank.
+      Tensor acc_k = zeros(kshape, opts), acc_v = zeros(vshape, opts);
+      Work got;
+      if (i > 0)
+        got = c.batch_p2p({P2POp::send(sent_k, next, kTagDK), P2POp::send(sent_v, next, kTagDV),
+                           P2POp::recv(acc_k, prev, kTagDK), P2POp::recv(acc_v, prev, kTagDV)},
+                          /*async_op=*/true);
       Block nxt;
       Work w;
       if (i + 1 < cp) w = rotate(c, cur, nxt);
-      // The accumulator of this block, from the rank that held it last step.
-      Tensor acc_k = zeros(kshape, {.dtype = cd_}), acc_v = zeros(vshape, {.dtype = cd_});
-      Work got;
-      if (i > 0)
-        got = c.batch_p2p({P2POp::recv(acc_k, prev, kTagDK), P2POp::recv(acc_v, prev, kTagDV)}, /*async_op=*/true);
       Tensor dk_part, dv_part;
       if (sees_any(own_.pos, own_.doc, cur)) {
-        dk_part = Tensor::empty(kshape, {.dtype = cd_});
-        dv_part = Tensor::empty(vshape, {.dtype = cd_});
-        kernels::cpu::attention_backward(cd_, args(cur), dq_part.data_ptr(), dk_part.data_ptr(), dv_part.data_ptr(),
-                                         dout.data_ptr(), nullptr, q_.data_ptr(), widen(cur.k).data_ptr(),
-                                         widen(cur.v).data_ptr(), out_.data_ptr(), lse_.data_ptr());
-        add_into(dq, dq_part);
+        dk_part = Tensor::empty(kshape, opts);
+        dv_part = Tensor::empty(vshape, opts);
+        kernel_backward(cur, dq_part, dk_part, dv_part, dout);
+        dq.add_(dq_part);
       }
-      got.wait();
+      got.wait();  // the sent accumulators may be dropped now
       if (dk_part.defined()) {
-        add_into(acc_k, dk_part);
-        add_into(acc_v, dv_part);
+        acc_k.add_(dk_part);
+        acc_v.add_(dv_part);
       }
-      if (cp == 1) {
-        dk = acc_k;
-        dv = acc_v;
-      } else {
-        sends.push_back(c.batch_p2p({P2POp::send(acc_k, next, kTagDK), P2POp::send(acc_v, next, kTagDV)}, true));
-        in_flight.insert(in_flight.end(), {acc_k, acc_v});
-      }
+      sent_k = acc_k;
+      sent_v = acc_v;
       if (i + 1 < cp) {
         w.wait();
         cur = std::move(nxt);
       }
     }
-    if (cp > 1) {  // the last step's accumulators went to their owners: ours comes from prev
-      dk = Tensor::empty(kshape, {.dtype = cd_});
-      dv = Tensor::empty(vshape, {.dtype = cd_});
-      c.batch_p2p({P2POp::recv(dk, prev, kTagDK), P2POp::recv(dv, prev, kTagDV)});
-      wait_all(sends);
+    Tensor dk = sent_k, dv = sent_v;
+    if (cp > 1) {  // the last step's accumulators go to their owners: ours comes from prev
+      dk = Tensor::empty(kshape, opts);
+      dv = Tensor::empty(vshape, opts);
+      c.batch_p2p({P2POp::send(sent_k, next, kTagDK), P2POp::send(sent_v, next, kTagDV),
+                   P2POp::recv(dk, prev, kTagDK), P2POp::recv(dv, prev, kTagDV)});
     }
     auto narrow_to = [&](const Tensor& g) { return dt_ == cd_ ? g : cast(g, dt_); };
     std::vector<Tensor> grads{narrow_to(dq), narrow_to(dk), narrow_to(dv), Tensor()};
@@ -311,19 +309,55 @@ class RingAttention final : public Primitive {
  private:
   Tensor widen(const Tensor& x) const { return x.dtype() == cd_ ? x : contiguous(cast(x, cd_)); }
 
-  kernels::cpu::AttentionArgs args(const Block& blk) const {
+  // The kernels' arguments against `blk`, with the positions and documents where they read them.
+  kernels::cpu::AttentionArgs args(const Block& blk, const Tensor& q_pos, const Tensor& q_doc, const Tensor& k_pos,
+                                   const Tensor& k_doc) const {
     return {.batch = q_.size(0), .q_heads = q_.size(1), .kv_heads = blk.k.size(1), .t = q_.size(2),
             .s = blk.k.size(2), .d = q_.size(3), .dv = blk.v.size(3), .scale = 1.0 / std::sqrt(double(q_.size(3))),
-            .causal = true, .q_doc = own_.doc.defined() ? own_.doc.data<int32_t>() : nullptr,
-            .k_doc = blk.doc.defined() ? blk.doc.data<int32_t>() : nullptr, .q_pos = own_.pos.data<int32_t>(),
-            .k_pos = blk.pos.data<int32_t>()};
+            .causal = true, .q_doc = q_doc.defined() ? q_doc.data<int32_t>() : nullptr,
+            .k_doc = k_doc.defined() ? k_doc.data<int32_t>() : nullptr, .q_pos = q_pos.data<int32_t>(),
+            .k_pos = k_pos.data<int32_t>()};
+  }
+  // The block's positions and documents where the kernels read them (copies on a GPU).
+  std::pair<Tensor, Tensor> where_read(const Block& blk) const {
+    if (!dev_.is_cuda()) return {blk.pos, blk.doc};
+    return {contiguous(blk.pos.to(dev_)), blk.doc.defined() ? contiguous(blk.doc.to(dev_)) : Tensor()};
+  }
+
+  // o, l = this rank's queries against `blk` alone.
+  void kernel_forward(const Block& blk, const Tensor& o, const Tensor& l) const {
+    const Tensor k = widen(blk.k), v = widen(blk.v);
+    if (!dev_.is_cuda()) {
+      kernels::cpu::attention_forward(cd_, args(blk, own_.pos, own_.doc, blk.pos, blk.doc), o.data_ptr(), l.data_ptr(),
+                                      q_.data_ptr(), k.data_ptr(), v.data_ptr());
+      return;
+    }
+    const auto [kpos, kdoc] = where_read(blk);
+    kernels::cuda::attention_forward(cd_, args(blk, own_pos_, own_doc_, kpos, kdoc), o.data_ptr(), l.data_ptr(),
+                                     q_.data_ptr(), k.data_ptr(), v.data_ptr(), ops::stream_handle(dev_));
+  }
+  // dq, dk, dv = the block's exact share of the gradients (probabilities from the merged lse).
+  void kernel_backward(const Block& blk, const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout) const {
+    const Tensor k = widen(blk.k), v = widen(blk.v);
+    if (!dev_.is_cuda()) {
+      kernels::cpu::attention_backward(cd_, args(blk, own_.pos, own_.doc, blk.pos, blk.doc), dq.data_ptr(),
+                                       dk.data_ptr(), dv.data_ptr(), dout.data_ptr(), nullptr, q_.data_ptr(),
+                                       k.data_ptr(), v.data_ptr(), out_.data_ptr(), lse_.data_ptr());
+      return;
+    }
+    const auto [kpos, kdoc] = where_read(blk);
+    kernels::cuda::attention_backward(cd_, args(blk, own_pos_, own_doc_, kpos, kdoc), dq.data_ptr(), dk.data_ptr(),
+                                      dv.data_ptr(), dout.data_ptr(), nullptr, q_.data_ptr(), k.data_ptr(),
+                                      v.data_ptr(), out_.data_ptr(), lse_.data_ptr(), ops::stream_handle(dev_));
   }
 
   std::shared_ptr<Communicator> comm_;
   DType dt_ = DType::f32, cd_ = DType::f32;
-  Tensor q_;          // (B, Hq, T, D) in cd_
-  Block own_;         // this rank's k, v (input dtype), positions, documents
-  Tensor out_, lse_;  // the merged output (B, Hq, T, Dv) and lse (B, Hq, T), in cd_
+  Device dev_;
+  Tensor q_;                 // (B, Hq, T, D) in cd_
+  Block own_;                // this rank's k, v (input dtype), positions, documents (host)
+  Tensor own_pos_, own_doc_;  // the positions and documents where q lies
+  Tensor out_, lse_;         // the merged output (B, Hq, T, Dv) and lse (B, Hq, T), in cd_
 };
 
 Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& doc,
@@ -397,7 +431,10 @@ Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor
                                                   cp_comm, type);
     return from_local(out, mesh_of(q), placements_of(q), Shape{q.size(0), q.size(1), q.size(2), v.size(3)});
   }
-  require_cpu(kOp, {q, k, v, positions, document_ids});
+  const Device dev = q.device();
+  for (const Tensor* x : {&k, &v, &positions, &document_ids})
+    QUILT_CHECK(!x->defined() || x->device() == dev, "[", kOp, "] q, k, v, positions and document_ids must lie on one "
+                "device: q is on ", dev.str(), ", another on ", x->device().str());
   QUILT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "[", kOp, "] q, k, v must be (B, H, T, D), got ",
               q.shape(), ", ", k.shape(), ", ", v.shape());
   QUILT_CHECK(is_floating(q.dtype()) && k.dtype() == q.dtype() && v.dtype() == q.dtype(), "[", kOp,

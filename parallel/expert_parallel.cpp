@@ -64,7 +64,7 @@ struct Dispatcher {
                 counts.shape(), " are not one per expert (", experts, ")");
     // Everyone learns how many rows each rank sends it for each of its experts.
     Tensor sent = counts.to(DType::i64).contiguous();
-    Tensor recv = Tensor::empty({experts}, {.dtype = DType::i64});
+    Tensor recv = Tensor::empty({experts}, {.dtype = DType::i64, .device = sent.device()});
     {
       NoGradGuard ng;
       comm->all_to_all_single(recv, sent);
@@ -99,10 +99,13 @@ struct Dispatcher {
         }
         local_counts[size_t(j)] += double(n);
       }
+    // The reorder's indices and the local counts live where the rows do (a GPU's grouped GEMM
+    // reads its offsets from device memory).
     const int64_t rows = got.size(0);
-    in[0] = local > 1 && ep > 1 ? index_select(got, 0, from_vector(order, {rows}, {.dtype = DType::i64})) : got;
-    in[1] = from_vector(local_counts, {local}, {.dtype = DType::i64});
-    route.back = from_vector(back, {rows}, {.dtype = DType::i64});
+    const TensorOptions idx{.dtype = DType::i64, .device = x.device()};
+    in[0] = local > 1 && ep > 1 ? index_select(got, 0, from_vector(order, {rows}, idx)) : got;
+    in[1] = from_vector(local_counts, {local}, idx);
+    route.back = from_vector(back, {rows}, idx);
     const int64_t me = comm->rank();
     g_dispatches.fetch_add(1);
     g_sent.fetch_add(total(route.in_splits) - route.in_splits[size_t(me)]);

@@ -73,6 +73,10 @@ quilt_trainer_test("the same layout twice gives bit-identical losses" determinis
 quilt_trainer_test("cuda: one GPU follows the host's loss curve, f32 and bf16, and resumes its checkpoint" cuda)
 set_tests_properties("trainer: cuda: one GPU follows the host's loss curve, f32 and bf16, and resumes its checkpoint"
   PROPERTIES SKIP_RETURN_CODE 77)
+quilt_trainer_test("cuda: a GPU per rank (fsdp, ddp, tp, hsdp, pp, cp, ep over MPI; over NCCL with 2 GPUs) follows the host's curve"
+  cuda_ranks)
+set_tests_properties("trainer: cuda: a GPU per rank (fsdp, ddp, tp, hsdp, pp, cp, ep over MPI; over NCCL with 2 GPUs) follows the host's curve"
+  PROPERTIES SKIP_RETURN_CODE 77)
 quilt_trainer_test("10 steps equal 5 steps, resume, 5 more, bit for bit" resume)
 quilt_trainer_test("a non-finite loss or gradient skips the step on every rank" nonfinite)
 quilt_trainer_test("train.max_skipped_steps non-finite steps in a row stop the run; keep_last keeps the last good checkpoint"

@@ -12,7 +12,7 @@ namespace {
 
 int train_main(const CommandArgs& a) {
   RecipeConfig cfg = load_recipe(a.get("--config"), a.list("--set"));
-  init_from_launcher(trainer_launch_options(cfg.dist_env));
+  init_from_launcher(trainer_launch_options(cfg));
   (void)check_recipe(cfg, world().size());
   train(cfg, a.has("--stop-after") ? a.get_int("--stop-after") : -1);
   finalize();
@@ -21,7 +21,7 @@ int train_main(const CommandArgs& a) {
 
 int eval_main(const CommandArgs& a) {
   RecipeConfig cfg = load_recipe(a.get("--config"), a.list("--set"));
-  init_from_launcher(trainer_launch_options(cfg.dist_env));
+  init_from_launcher(trainer_launch_options(cfg));
   (void)check_recipe(cfg, world().size());
   const double loss = evaluate(cfg, a.get("--checkpoint"));
   if (std::isnan(loss)) log_line("validation loss: nan");

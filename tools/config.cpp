@@ -1001,15 +1001,15 @@ int64_t packing_document_multiple(const RecipeConfig& cfg) {
   return cfg.distributed.cp_size > 1 ? 2 * cfg.distributed.cp_size : 1;
 }
 
-LaunchOptions trainer_launch_options(const DistEnvConfig& env) {
+LaunchOptions trainer_launch_options(const RecipeConfig& cfg) {
   // Left automatic, a CUDA build on a GPU machine would start an NCCL world while the model and
   // its gradients stay in host memory: the backend is always named.
-  switch (env.backend) {
+  switch (cfg.dist_env.backend) {
     case Backend::kMpi: return {.backend = WorldBackend::mpi};
     case Backend::kNccl:
-      fail("[config] dist_env.backend nccl: quilt train does not yet run a rank per GPU over NCCL (the engine's "
-           "ops and the NCCL communicator run on GPUs through the library API, and train.device: cuda trains "
-           "on one GPU in one process). Use dist_env.backend: mpi");
+      QUILT_CHECK(cfg.train.device == TrainDevice::kCuda, "[config] dist_env.backend nccl reduces tensors on GPUs: "
+                  "it needs train.device: cuda (a rank per GPU); train.device cpu trains with dist_env.backend: mpi");
+      return {.backend = WorldBackend::nccl};
     case Backend::kThreads:
       fail("[config] dist_env.backend threads runs ranks as threads of one process (the test suites' backend); "
            "quilt train runs one process per rank under mpirun or srun. Use dist_env.backend: mpi");
@@ -1018,13 +1018,16 @@ LaunchOptions trainer_launch_options(const DistEnvConfig& env) {
 }
 
 ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size) {
-  (void)trainer_launch_options(cfg.dist_env);
+  (void)trainer_launch_options(cfg);
   ParallelDims dims(cfg.distributed, world_size);
   const TrainConfig& t = cfg.train;
-  // One GPU: the model, its gradients and AdamW's state on the device, collectives on none.
-  QUILT_CHECK(t.device == TrainDevice::kCpu || world_size == 1, "[config] train.device cuda trains on one GPU in one "
-              "process; this run has ", world_size, " ranks (a rank per GPU needs dist_env.backend nccl, which quilt "
-              "train does not run yet): launch one process, or use train.device: cpu");
+  // train.device cuda: every rank trains on its GPU (local rank % the GPUs it sees); its
+  // collectives go over NCCL (dist_env.backend nccl, a GPU per rank) or through host memory over
+  // MPI (ranks may then share a GPU); every layout runs there.
+  if (t.device == TrainDevice::kCuda) {
+    QUILT_CHECK(!t.cuda_graphs || world_size == 1, "[config] train.cuda_graphs captures the step of one GPU; this run "
+                "has ", world_size, " ranks: leave train.cuda_graphs off");
+  }
   const ModelConfig& m = cfg.model;
   QUILT_CHECK(!t.cuda_graphs || m.num_experts == 0, "[config] train.cuda_graphs captures the step of a dense model; "
               "MoE models (model.num_experts ", m.num_experts, ") are not captured yet: leave train.cuda_graphs off");

@@ -225,10 +225,10 @@ std::string recipe_to_yaml(const RecipeConfig& cfg);
 /// sequence length vs context parallelism, heads vs tensor parallelism, ...). Returns the
 /// validated ParallelDims; throws naming the keys involved.
 ParallelDims check_recipe(const RecipeConfig& cfg, int64_t world_size);
-/// How the trainer starts its world for dist_env.backend: mpi is MPI on the CPU (also on a
-/// machine with GPUs). nccl and threads are refused naming the key: the trainer places its model
-/// and batches on the CPU, and runs one process per rank.
-LaunchOptions trainer_launch_options(const DistEnvConfig& env);
+/// How the trainer starts its world for dist_env.backend: mpi is MPI through host memory (also
+/// for GPU tensors, staged); nccl (with train.device cuda) is NCCL with a GPU per rank; threads is
+/// refused naming the key, as is nccl with train.device cpu.
+LaunchOptions trainer_launch_options(const RecipeConfig& cfg);
 /// One message per model field that the recipe sets and HF config.json (its text) contradicts,
 /// e.g. "model.hidden_size is 128 in the recipe but 64 in <model.pretrained>/config.json".
 /// Fields config.json lacks, and optional fields the recipe leaves none, are not compared.

@@ -122,16 +122,22 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   // it is built without storage and each rank materialises only its own shards, initialised
   // after sharding; under DDP it is initialised whole, then replicated.
   const TrainConfig& t = cfg.train;
-  // train.device cuda (one rank, so no data parallelism): the model is built and initialised
-  // whole on the host, takes its pretrained weights there, moves to the GPU, and then gets the
-  // plan's single-device parts (activation checkpointing, mixed precision) as under ddp.
+  // train.device cuda: each rank trains on its GPU (local rank % the GPUs it sees, as the
+  // launcher chose). The model is built and initialised whole on the host, takes its pretrained
+  // weights there, moves to the GPU, and is then laid out by the plan (fsdp shards, ddp buckets,
+  // tp splits) where it lies; collectives go over NCCL or, under MPI, through host memory.
   const bool on_gpu = t.device == TrainDevice::kCuda;
-  if (on_gpu)
+  if (on_gpu) {
     QUILT_CHECK(cuda::is_available(), "[config] train.device cuda: no usable GPU (", cuda::unavailable_reason(), ")");
-  if (on_gpu) r->device = Device::cuda(0);
+    const LaunchInfo& li = launch_info();
+    r->device = li.device.is_cuda() ? li.device : Device::cuda(device_for_local_rank(li.local_rank, cuda::device_count()));
+    cuda::set_device(r->device.index);
+    log_line("device: ", r->device.str(), " (GPU ", cuda::pci_bus_id(r->device.index), "; local rank ", li.local_rank,
+             " of ", li.local_size, ", ", cuda::device_count(), " GPUs visible), collectives over ", r->world->backend(),
+             r->world->backend() == "nccl" ? "" : " through host memory");
+  }
   const bool deferred = !on_gpu && cfg.distributed.strategy != Strategy::kDdp;
-  DistributedConfig plan = cfg.distributed;
-  if (on_gpu) plan.strategy = Strategy::kDdp;
+  const DistributedConfig& plan = cfg.distributed;
   const int64_t before = cpu_memory_stats().allocated;
   reset_cpu_peak_memory();
   // Without a pipeline this rank holds the whole model (one "stage"); with one, the stages the
@@ -258,10 +264,17 @@ std::unique_ptr<Run> build_run(const RecipeConfig& cfg) {
   const auto loss_comm = r->meshes["dp_cp"].comm_ptr(0);
   if (pp > 1) {
     r->pp_comm = r->meshes["pp"].comm_ptr(0);
+    if (r->pp_comm->backend() == "nccl") {
+      // The schedule's transfers are matched by tag, NCCL's by order: the pp axis of a mesh
+      // built over the host world carries them, GPU tensors staged through host memory.
+      r->pp_comm = r->dims.build_meshes(cpu_world().shared_from_this())["pp"].comm_ptr(0);
+      log_line("pipeline: transfers over ", r->pp_comm->backend(), " through host memory (the rest over nccl)");
+    }
     r->step = std::make_unique<PipelineTrainStep>(
         std::move(lists), std::move(refs), int(spans.size()),
         PipelineStepOptions{.rows = pc.pp_microbatch_size, .scale_in_schedule = pc.scale_grads_in_schedule,
-                            .pp_comm = r->pp_comm, .loss_comm = loss_comm, .params = r->params});
+                            .pp_comm = r->pp_comm, .loss_comm = loss_comm, .params = r->params,
+                            .device = r->device});
     return r;
   }
   LlamaForCausalLM* m = r->model.get();

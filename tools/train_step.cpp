@@ -49,16 +49,17 @@ Batch batch_on(const Batch& b, Device device) {
 }
 
 Tensor LocalTrainStep::loss_of(const Batch& host_batch) {
-  const Batch b = batch_on(host_batch, hooks_.device);
   const std::shared_ptr<Communicator>& cp = hooks_.cp_comm;
   if (!cp || cp->size() == 1) {
+    const Batch b = batch_on(host_batch, hooks_.device);
     const Tensor positions = b.positions.defined() ? b.positions : default_positions(b.inputs);
     return causal_lm_loss(forward_(b.inputs, positions, b.document_ids), b.targets);
   }
-  // This rank's share of every sequence. Its loss is cp · (its sum) / (the group's count), so
-  // that the mean over the cp ranks (of losses, and of gradients under FSDP) is the sequence's
-  // mean loss, however the ignored targets (packing's padding) fall between the ranks.
-  const Batch mine = context_parallel_batch(b, cp->size(), cp->rank());
+  // This rank's share of every sequence (cut on the host, where the documents are read, then
+  // moved). Its loss is cp · (its sum) / (the group's count), so that the mean over the cp ranks
+  // (of losses, and of gradients under FSDP) is the sequence's mean loss, however the ignored
+  // targets (packing's padding) fall between the ranks.
+  const Batch mine = batch_on(context_parallel_batch(host_batch, cp->size(), cp->rank()), hooks_.device);
   Tensor count = sum(cast(ne(mine.targets, scalar_like(-100, mine.targets)), DType::f64));
   cp->all_reduce(count, ReduceOp::sum);
   const Tensor total =
@@ -151,7 +152,7 @@ double PipelineTrainStep::run(const std::vector<Batch>& micro_batches) {
   double sum = 0;
   size_t count = 0;
   for (size_t i = 0; i < micro_batches.size(); ++i) {
-    const std::vector<pipeline::MicroBatch> mbs = cut(micro_batches[i]);
+    const std::vector<pipeline::MicroBatch> mbs = cut(batch_on(micro_batches[i], opts_.device));
     const double n = double(mbs.size() * micro_batches.size());
     scale_ = opts_.scale_in_schedule ? 1.0 : 1.0 / n;
     // The runner sums the losses as the gradients saw them; undo the scaling for the mean.
@@ -173,7 +174,7 @@ double PipelineTrainStep::evaluate(const std::vector<Batch>& micro_batches) {
   size_t count = 0;
   scale_ = 1;
   for (const Batch& b : micro_batches) {
-    const std::vector<pipeline::MicroBatch> mbs = cut(b);
+    const std::vector<pipeline::MicroBatch> mbs = cut(batch_on(b, opts_.device));
     sum += runner_->evaluate(mbs);
     count += mbs.size();
   }

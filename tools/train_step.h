@@ -88,6 +88,7 @@ struct PipelineStepOptions {
   bool scale_in_schedule = false;
   std::shared_ptr<Communicator> pp_comm, loss_comm;
   std::vector<Tensor> params;  // this rank's parameters, for scale_in_schedule
+  Device device;               // where the stages run (the micro-batches move there)
 };
 
 class PipelineTrainStep : public TrainStep {

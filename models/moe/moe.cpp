@@ -23,7 +23,7 @@ class AddAuxLoss final : public AnyDevicePrimitive {
   std::vector<Tensor> forward_any(const std::vector<Tensor>& in) override { return {in[0]}; }
   std::vector<Tensor> backward(const BackwardContext& ctx) override {
     Tensor g_aux;
-    if (ctx.needs[1]) g_aux = full(ctx.inputs[1].shape, scale_, {.dtype = ctx.inputs[1].dtype});
+    if (ctx.needs[1]) g_aux = full(ctx.inputs[1].shape, scale_, {.dtype = ctx.inputs[1].dtype, .device = ctx.inputs[1].device});
     return {ctx.grads[0], g_aux};
   }
 
@@ -93,7 +93,8 @@ RouterOutput MoeRouter::route(const Tensor& x) {
       Tensor g = c.reshape({n, o.n_group, e / o.n_group});
       Tensor group_score = sum(topk(g, 2, -1).first, {-1});
       Tensor best = topk(group_score, o.topk_group, -1).second;                       // (N, topk_group)
-      Tensor keep = scatter_add(zeros({n, o.n_group}), 1, best, full(best.shape(), 1.0));  // 1 on eligible groups
+      const TensorOptions on{.dtype = DType::f32, .device = c.device()};
+      Tensor keep = scatter_add(zeros({n, o.n_group}, on), 1, best, full(best.shape(), 1.0, on));  // 1 on eligible groups
       keep = keep.unsqueeze(-1).expand({n, o.n_group, e / o.n_group}).reshape({n, e});
       c = masked_fill(c, eq(keep, zeros_like(keep)), -INFINITY);
     }

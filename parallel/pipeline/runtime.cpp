@@ -21,6 +21,11 @@ PipelineRunner::PipelineRunner(Lowered lists, std::shared_ptr<Communicator> comm
       loss_(std::move(loss)) {
   QUILT_CHECK(int(lists_.size()) == comm_->size(), "[pipeline] the schedule has ", lists_.size(),
               " ranks but the pipeline communicator ", comm_->size());
+  // Transfers are matched by tag (a header, then its tensor; micro-batches in schedule order,
+  // which need not be the order a peer sends them in): NCCL matches a pair's messages by order.
+  QUILT_CHECK(comm_->backend() != "nccl", "[pipeline] the runner matches its transfers by tag, which the nccl "
+              "backend's point-to-point does not: give it a host (mpi) communicator for the pp axis (GPU tensors "
+              "are staged through host memory)");
   ranks_ = pipeline::stage_ranks(lists_);
   QUILT_CHECK(int(ranks_.size()) == num_stages_, "[pipeline] the schedule has ", ranks_.size(), " stages, the model ",
               num_stages_);
@@ -64,6 +69,8 @@ double PipelineRunner::walk(const std::vector<MicroBatch>& mbs, bool with_backwa
               " micro-batches, got ", mbs.size());
   slots_.clear();
   loss_sum_ = 0;
+  // Received tensors go where the micro-batches are (the stages run there).
+  device_ = mbs.empty() ? Device::cpu() : mbs[0].positions.defined() ? mbs[0].positions.device() : mbs[0].tokens.device();
   const auto& list = lists_[size_t(comm_->rank())];
   using Clock = std::chrono::steady_clock;
   Clock::time_point t0;
@@ -175,9 +182,8 @@ void PipelineRunner::send(const Action& a) {
   for (int64_t d = 0; d < t.dim(); ++d) head[size_t(d + 2)] = double(t.size(d));
   const Tensor header = from_vector(head, {kMaxDims + 2}, {.dtype = DType::i64});
   sl.sends.push_back(comm_->send(header, peer, tag(a, true), true));
-  // (MPI only: NCCL queues its sends on a stream, and a communicator is not to be used from
-  // two threads there.)
-  if (!send_threads_ || comm_->backend() != "mpi") {
+  // (MPI host tensors only: a GPU tensor's staging copy belongs on this thread's stream.)
+  if (!send_threads_ || comm_->backend() != "mpi" || t.device().is_cuda()) {
     sl.sends.push_back(comm_->send(t, peer, tag(a, false), true));
     return;
   }
@@ -222,7 +228,7 @@ void PipelineRunner::post_tensor_recv(Slot& sl) {
   sl.header_open = false;
   const int64_t* h = sl.header.data<int64_t>();
   Shape shape(h + 2, h + 2 + h[1]);
-  Tensor t = empty(shape, {.dtype = DType(h[0])});
+  Tensor t = empty(shape, {.dtype = DType(h[0]), .device = device_});
   sl.pending = comm_->recv(t, sl.recv_peer, sl.recv_tag, true);
   (sl.header_for_grad ? sl.grad_output : sl.input) = t;
 }

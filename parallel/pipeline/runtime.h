@@ -108,6 +108,7 @@ class PipelineRunner {
   double walk(const std::vector<MicroBatch>& mbs, bool backward, bool sync);
   Lowered lists_;
   std::shared_ptr<Communicator> comm_;
+  Device device_;  // where the micro-batches of the running step are
   std::vector<StageRef> stages_;
   int num_stages_;
   StageLoss loss_;

@@ -38,10 +38,12 @@ Tensor index_tensor(const std::vector<int64_t>& idx) {
 // against the one-rank result at that rank's tokens. `contiguous` lays the sequence out as cp
 // plain chunks instead (no load balance: rank 0's queries see nothing of the later blocks,
 // which the ring must skip).
-void check_case(CpCommType type, const Case& c, bool contiguous = false) {
-  const std::string what =
-      std::string(cp_comm_type_name(type)) + ": " + describe(c) + (contiguous ? ", contiguous chunks" : "");
-  const double tol = c.dtype == DType::f64 ? 1e-12 : 1e-5;
+// On a GPU (`device` cuda) every rank's inputs move there; the reference stays the CPU's.
+void check_case(CpCommType type, const Case& c, bool contiguous = false, Device device = Device::cpu(),
+                double gpu_tol = 0) {
+  const std::string what = std::string(cp_comm_type_name(type)) + ": " + describe(c) +
+      (contiguous ? ", contiguous chunks" : "") + (device.is_cuda() ? ", on " + device.str() : "");
+  const double tol = device.is_cuda() ? gpu_tol : c.dtype == DType::f64 ? 1e-12 : 1e-5;
   const uint64_t seed = uint64_t(c.t * 7 + c.cp);
   const Tensor q = randn({c.b, c.hq, c.t, c.d}, RngKey(seed, "q"), {.dtype = c.dtype});
   const Tensor k = randn({c.b, c.hkv, c.t, c.d}, RngKey(seed, "k"), {.dtype = c.dtype});
@@ -71,7 +73,8 @@ void check_case(CpCommType type, const Case& c, bool contiguous = false) {
     } else {
       idx = c.cu.empty() ? cp_token_indices(c.t, c.cp, r) : cp_document_token_indices(c.cu, c.cp, r);
     }
-    auto shard = [&](const Tensor& x, int64_t dim) { return cp_shard_sequence(x, dim, idx); };
+    if (device.is_cuda()) cuda::set_device(device.index);
+    auto shard = [&](const Tensor& x, int64_t dim) { return cp_shard_sequence(x, dim, idx).to(device); };
     Tensor ql = shard(q, 2).set_requires_grad(), kl = shard(k, 2).set_requires_grad(),
            vl = shard(v, 2).set_requires_grad();
     const Tensor out = context_parallel_attention(ql, kl, vl, shard(positions, 0),
@@ -80,10 +83,12 @@ void check_case(CpCommType type, const Case& c, bool contiguous = false) {
     CHECK(out.shape() == Shape{c.b, c.hq, int64_t(idx.size()), c.d});
     sum(out * shard(w, 2)).backward();
     INFO(what, ", rank ", r);
-    CHECK(max_abs_diff(out, shard(want, 2)) < tol);
-    CHECK(max_abs_diff(ql.grad(), shard(qg.grad(), 2)) < tol);
-    CHECK(max_abs_diff(kl.grad(), shard(kg.grad(), 2)) < tol);
-    CHECK(max_abs_diff(vl.grad(), shard(vg.grad(), 2)) < tol);
+    CHECK(out.device() == device);
+    auto host = [](const Tensor& x) { return cast(x.to(Device::cpu()), DType::f64); };
+    CHECK(max_abs_diff(host(out), host(shard(want, 2))) < tol);
+    CHECK(max_abs_diff(host(ql.grad()), host(shard(qg.grad(), 2))) < tol);
+    CHECK(max_abs_diff(host(kl.grad()), host(shard(kg.grad(), 2))) < tol);
+    CHECK(max_abs_diff(host(vl.grad()), host(shard(vg.grad(), 2))) < tol);
   });
 }
 
@@ -192,5 +197,29 @@ TEST_CASE("context parallel: bad input is refused by name") {
     CHECK_THROWS_WITH_AS(context_parallel_attention(q, kv, kv, zeros({2, 8}, {.dtype = DType::i32}), {},
                                                     comm.shared_from_this(), CpCommType::ring),
                          doctest::Contains("positions must be (T) = (8) or (B, T) = (1, 8)"), Error);
+  });
+}
+
+TEST_CASE("cuda: context-parallel attention on GPUs equals one rank's CPU attention, every comm type") {
+  if (!cuda::is_available()) {
+    MESSAGE("skipped: no CUDA device (", cuda::unavailable_reason(), ")");
+    return;
+  }
+  const Device gpu = Device::cuda(0);
+  // Head dim 64 (the fused kernels' size; ring computes in f32 there), grouped heads, with and
+  // without documents, load-balanced and in plain chunks (ring skips hidden blocks), f32 and bf16.
+  for (CpCommType type : {CpCommType::ring, CpCommType::all_gather, CpCommType::a2a}) {
+    check_case(type, {2, 2, 4, 2, 128, 64, {}, DType::f32}, false, gpu, 5e-3);
+    check_case(type, {2, 1, 4, 2, 128, 64, {0, 40, 44, 128}, DType::f32}, false, gpu, 5e-3);
+    check_case(type, {4, 1, 8, 4, 256, 64, {}, DType::bf16}, false, gpu, 0.15);
+  }
+  check_case(CpCommType::ring, {4, 2, 4, 2, 128, 64, {}, DType::f32}, /*contiguous=*/true, gpu, 5e-3);
+  // Other head dims: ring names what the GPU kernels take and the comm types that take any.
+  run_threads_group(2, [&](Communicator& comm) {
+    cuda::set_device(0);
+    const Tensor q = randn({1, 2, 8, 16}, RngKey(3, "q")).to(gpu), kv = randn({1, 2, 8, 16}, RngKey(3, "k")).to(gpu);
+    const Tensor pos = from_vector({0, 1, 2, 3, 4, 5, 6, 7}, {8}, {.dtype = DType::i32, .device = gpu});
+    CHECK_THROWS_WITH_AS(context_parallel_attention(q, kv, kv, pos, {}, comm.shared_from_this(), CpCommType::ring),
+                         doctest::Contains("which take head dims of 64 or 128"), Error);
   });
 }

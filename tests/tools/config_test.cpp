@@ -191,30 +191,39 @@ TEST_CASE("config: rules between sections name every key involved") {
                        doctest::Contains("checkpoint.save_consolidated is true but checkpoint.dir is none"), Error);
 }
 
-TEST_CASE("config: quilt train starts an MPI world and refuses the backends it cannot run, naming the key") {
+TEST_CASE("config: quilt train starts an MPI world, or NCCL for GPU ranks, and refuses the rest naming the key") {
   // mpi is asked for by name: a CUDA build on a GPU machine would otherwise start NCCL.
-  CHECK(trainer_launch_options(parse(kMinimal).dist_env).backend == WorldBackend::mpi);
-  const RecipeConfig nccl = parse(kMinimal + "dist_env: {backend: nccl}\n");
-  CHECK_THROWS_WITH_AS(trainer_launch_options(nccl.dist_env),
-                       doctest::Contains("[config] dist_env.backend nccl: quilt train does not yet run a rank per GPU "
-                                         "over NCCL"),
+  CHECK(trainer_launch_options(parse(kMinimal)).backend == WorldBackend::mpi);
+  CHECK(trainer_launch_options(parse(kMinimal + "train: {device: cuda}\n")).backend == WorldBackend::mpi);
+  const RecipeConfig nccl = parse(kMinimal + "dist_env: {backend: nccl}\ntrain: {device: cuda}\n");
+  CHECK(trainer_launch_options(nccl).backend == WorldBackend::nccl);
+  CHECK(check_recipe(nccl, 4).dp() == 4);
+  // NCCL reduces GPU tensors: host training over it is refused before any world starts.
+  const RecipeConfig nccl_cpu = parse(kMinimal + "dist_env: {backend: nccl}\n");
+  CHECK_THROWS_WITH_AS(trainer_launch_options(nccl_cpu),
+                       doctest::Contains("[config] dist_env.backend nccl reduces tensors on GPUs: it needs "
+                                         "train.device: cuda"),
                        Error);
-  CHECK_THROWS_WITH_AS(check_recipe(nccl, 1), doctest::Contains("Use dist_env.backend: mpi"), Error);
+  CHECK_THROWS_WITH_AS(check_recipe(nccl_cpu, 1), doctest::Contains("dist_env.backend: mpi"), Error);
   const RecipeConfig threads = parse(kMinimal + "dist_env: {backend: threads}\n");
   CHECK_THROWS_WITH_AS(check_recipe(threads, 1),
                        doctest::Contains("[config] dist_env.backend threads runs ranks as threads of one process"),
                        Error);
 }
 
-TEST_CASE("config: train.device cuda is one GPU in one process; more ranks are refused, naming the key") {
+TEST_CASE("config: train.device cuda trains a GPU per rank in every layout") {
   const RecipeConfig c = parse(kMinimal + "train: {device: cuda}\n");
   CHECK(c.train.device == TrainDevice::kCuda);
   CHECK(parse(kMinimal).train.device == TrainDevice::kCpu);
   CHECK(check_recipe(c, 1).dp() == 1);
-  CHECK_THROWS_WITH_AS(check_recipe(c, 2),
-                       doctest::Contains("[config] train.device cuda trains on one GPU in one process; this run has 2 "
-                                         "ranks"),
-                       Error);
+  CHECK(check_recipe(c, 2).dp() == 2);
+  CHECK(check_recipe(parse(kMinimal + "train: {device: cuda}\ndistributed: {tp_size: 2}\n"), 4).tp() == 2);
+  CHECK(check_recipe(parse(kMinimal + "train: {device: cuda}\ndistributed: {strategy: ddp}\n"), 2).dp() == 2);
+  CHECK(check_recipe(parse(kMinimal + "train: {device: cuda}\ndistributed: {ep_size: 2}\n"
+                           "model: {num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 32}\n"),
+                     2).ep() == 2);
+  CHECK(check_recipe(parse(kMinimal + "train: {device: cuda}\ndistributed: {pp_size: 2}\n"), 2).pp() == 2);
+  CHECK(check_recipe(parse(kMinimal + "train: {device: cuda}\ndistributed: {cp_size: 2}\n"), 2).cp() == 2);
   CHECK_THROWS_WITH_AS(parse(kMinimal + "train: {device: gpu}\n"), doctest::Contains("train.device"), Error);
 }
 
@@ -223,6 +232,10 @@ TEST_CASE("config: train.cuda_graphs needs train.device cuda and a dense model, 
   CHECK(c.train.cuda_graphs);
   CHECK_FALSE(parse(kMinimal).train.cuda_graphs);
   CHECK(check_recipe(c, 1).dp() == 1);
+  CHECK_THROWS_WITH_AS(check_recipe(c, 2),
+                       doctest::Contains("[config] train.cuda_graphs captures the step of one GPU; this run has 2 "
+                                         "ranks"),
+                       Error);
   CHECK_THROWS_WITH_AS(parse(kMinimal + "train: {cuda_graphs: true}\n"),
                        doctest::Contains("[config] train.cuda_graphs captures a GPU step: it needs train.device: cuda"),
                        Error);
