@@ -216,11 +216,73 @@ void sum_partials(T* out, const std::vector<C>& part, int64_t nb, int64_t cols) 
   });
 }
 
+// bf16 rows (and f32 ones where measured faster) go sixteen lanes at a time (vec::F32x16): T loaded
+// and stored in place, no scratch row, and the row's sums in four independent accumulators. A sum is
+// taken over 64-element steps into the four, then 16-element steps into the first, then the
+// scalar tail, so its order is a function of the row length alone.
+template <class T>
+constexpr bool kLanes16 = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
+
+// Σ f(i) over [0, n): add16(i, acc) adds lanes i..i+15 into acc, f1(i) gives element i. (The
+// lanes go by reference: a lambda returning a 64-byte vector draws GCC's ABI note off AVX-512.)
+template <class F16, class F1>
+inline float row_sum16(int64_t n, F16&& add16, F1&& f1) {
+  vec::F32x16 a0{}, a1{}, a2{}, a3{};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    add16(i, a0);
+    add16(i + 16, a1);
+    add16(i + 32, a2);
+    add16(i + 48, a3);
+  }
+  for (; i + 16 <= n; i += 16) add16(i, a0);
+  float s = vec::hsum((a0 + a1) + (a2 + a3));
+  for (; i < n; ++i) s += f1(i);
+  return s;
+}
+
+template <class T>
+void rms_fwd16(T* y, float* rstd, const T* x, const T* res, T* h, const T* w, int64_t rows, int64_t cols,
+               double eps) {
+  using vec::load16, vec::store16;
+  parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
+    std::vector<float> wbuf(size_t(cols), 1.0f);  // ones without a weight
+    for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = float(w[i]);
+    const float* __restrict wp = wbuf.data();
+    for (int64_t r = b; r < e; ++r) {
+      const T* __restrict xr = x + r * cols;
+      if (res) {  // h = x + res, stored (rounded to T) first: the norm reads h as stored
+        const T* __restrict rr = res + r * cols;
+        T* __restrict hr = h + r * cols;
+        int64_t i = 0;
+        for (; i + 16 <= cols; i += 16) store16(hr + i, load16(xr + i) + load16(rr + i));
+        for (; i < cols; ++i) vec::store(hr[i], vec::load(xr[i]) + vec::load(rr[i]));
+        xr = hr;
+      }
+      const float ss = row_sum16(
+          cols, [&](int64_t i, vec::F32x16& a) { const vec::F32x16 v = load16(xr + i); a += v * v; },
+          [&](int64_t i) { const float v = vec::load(xr[i]); return v * v; });
+      const float rs = 1.0f / std::sqrt(ss / float(cols) + float(eps));
+      rstd[r] = rs;
+      T* __restrict yr = y + r * cols;
+      int64_t i = 0;
+      for (; i + 16 <= cols; i += 16) store16(yr + i, load16(xr + i) * rs * load16(wp + i));
+      for (; i < cols; ++i) vec::store(yr[i], vec::load(xr[i]) * rs * wp[i]);
+    }
+  });
+}
+
 // With `res` (add_rms_norm) the row normalised is h = x + res, stored to `h` first (rounded to
 // T, so y is exactly rms_norm of the stored h); without, it is x itself.
 template <class T>
 void rms_fwd(T* y, compute_t<T>* rstd, const T* x, const T* res, T* h, const T* w, int64_t rows, int64_t cols,
              double eps) {
+  // f32 stays on the Eigen form below: at 16384 x 1024 it read 40-51 GB/s against the lanes'
+  // 28-38 (AVX-512 EPYC, alternating runs), while for bf16 the lanes were 1.3-2.3x faster.
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    rms_fwd16(y, rstd, x, res, h, w, rows, cols, eps);
+    return;
+  }
   using S = Scratch<T>;
   using C = typename S::C;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
@@ -261,11 +323,56 @@ void rms_fwd(T* y, compute_t<T>* rstd, const T* x, const T* res, T* h, const T* 
   });
 }
 
+template <class T>
+void rms_bwd16(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, const float* rstd, int64_t rows,
+               int64_t cols) {
+  using vec::F32x16, vec::load16, vec::store16;
+  const int64_t nb = norm_blocks(rows);
+  std::vector<float> part(size_t(gw ? nb * cols : 0), 0.0f);
+  parallel_range(nb, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> wbuf(size_t(cols), 1.0f);  // ones without a weight
+    for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = float(w[i]);
+    const float* __restrict wp = wbuf.data();
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      float* __restrict pp = gw ? part.data() + blk * cols : nullptr;
+      for (int64_t r = block_begin(rows, nb, blk); r < block_begin(rows, nb, blk + 1); ++r) {
+        const T* __restrict gr = g + r * cols;
+        const T* __restrict xr = x + r * cols;
+        const T* __restrict hr = gh ? gh + r * cols : nullptr;
+        T* __restrict orow = gx + r * cols;
+        const float rs = rstd[r];
+        const float dot = row_sum16(
+            cols, [&](int64_t i, F32x16& a) { a += load16(gr + i) * load16(wp + i) * load16(xr + i); },
+            [&](int64_t i) { return vec::load(gr[i]) * wp[i] * vec::load(xr[i]); });
+        const float k = rs * rs * rs * dot / float(cols);
+        int64_t i = 0;
+        for (; i + 16 <= cols; i += 16) {
+          const F32x16 gv = load16(gr + i), xv = load16(xr + i);
+          F32x16 o = rs * (gv * load16(wp + i)) - k * xv;
+          if (hr) o += load16(hr + i);
+          store16(orow + i, o);
+          if (pp) store16(pp + i, load16(pp + i) + gv * xv * rs);
+        }
+        for (; i < cols; ++i) {
+          const float gv = vec::load(gr[i]), xv = vec::load(xr[i]);
+          vec::store(orow[i], rs * (gv * wp[i]) - k * xv + (hr ? vec::load(hr[i]) : 0.0f));
+          if (pp) pp[i] += gv * xv * rs;
+        }
+      }
+    }
+  });
+  if (gw) sum_partials(gw, part, nb, cols);
+}
+
 // With `gh` (add_rms_norm) the gradient that reaches h directly is added to grad_x in the
 // same pass.
 template <class T>
 void rms_bwd(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, const compute_t<T>* rstd, int64_t rows,
              int64_t cols) {
+  if constexpr (kLanes16<T>) {
+    rms_bwd16(gx, gw, g, gh, x, w, rstd, rows, cols);
+    return;
+  }
   using S = Scratch<T>;
   using C = typename S::C;
   const int64_t nb = norm_blocks(rows);
@@ -455,6 +562,21 @@ template <class T>
 inline void rope_row(T* __restrict o, const T* __restrict xr, const compute_t<T>* __restrict c,
                      const compute_t<T>* __restrict sn, compute_t<T> sgn, int64_t half) {
   using C = compute_t<T>;
+  if constexpr (kLanes16<T>) {  // in place, sixteen pairs at a time (no scratch for bf16)
+    using vec::F32x16, vec::load16, vec::store16;
+    int64_t i = 0;
+    for (; i + 16 <= half; i += 16) {
+      const F32x16 x1 = load16(xr + i), x2 = load16(xr + half + i), cc = load16(c + i), ss = sgn * load16(sn + i);
+      store16(o + i, x1 * cc - x2 * ss);
+      store16(o + half + i, x2 * cc + x1 * ss);
+    }
+    for (; i < half; ++i) {
+      const float x1 = vec::load(xr[i]), x2 = vec::load(xr[half + i]), cc = c[i], ss = sgn * sn[i];
+      vec::store(o[i], x1 * cc - x2 * ss);
+      vec::store(o[half + i], x2 * cc + x1 * ss);
+    }
+    return;
+  }
   alignas(64) C x1b[512], x2b[512];
   for (int64_t i0 = 0; i0 < half; i0 += 512) {
     const int64_t len = std::min<int64_t>(512, half - i0);

@@ -10,9 +10,12 @@
 //   for (int64_t i = 0; i < n; ++i) vec::store(o[i], vec::load(b[i]) * 2.0f);  // bf16 o, b
 #pragma once
 
+#include <immintrin.h>
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/dtype.h"
 
@@ -97,5 +100,63 @@ QUILT_VEC_INLINE void store(BFloat16& dst, float v) { dst.bits = bf16_bits(v); }
 QUILT_VEC_INLINE void store(float& dst, float v) { dst = v; }
 QUILT_VEC_INLINE void store(double& dst, double v) { dst = v; }
 QUILT_VEC_INLINE void store(Half& dst, float v) { dst = Half(v); }
+
+// ---- sixteen lanes at a time ----
+//
+// A row kernel that reduces (a sum of squares, a dot product) written as a plain loop keeps one
+// accumulator, so it runs at the add's latency, not at memory speed; and bf16 rows widened into
+// scratch first cost a store and a load per element. These 16-lane values (GCC/Clang vector
+// extensions: one AVX-512 register, two AVX2 ones, the same source for every x86 target) let a
+// kernel load and store T in place and keep several independent accumulators:
+//
+//   F32x16 a0{}, a1{};  for (...; i += 32) { a0 += sq(load16(x + i)); a1 += sq(load16(x + i + 16)); }
+//   const float s = hsum(a0 + a1);
+
+// On targets without AVX-512 both compilers note, at every use, that passing 64-byte vectors to
+// a function would follow a different ABI there. These values never cross a real call (every
+// function here is forced inline), so the note is switched off for the files that use them.
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+using F32x16 = float __attribute__((vector_size(64)));
+using U32x16 = uint32_t __attribute__((vector_size(64)));
+using U16x16 = uint16_t __attribute__((vector_size(32)));
+
+QUILT_VEC_INLINE F32x16 splat16(float v) { return F32x16{} + v; }
+QUILT_VEC_INLINE F32x16 load16(const float* p) {
+  F32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+/// Sixteen bf16 values widened to f32 (exact).
+QUILT_VEC_INLINE F32x16 load16(const BFloat16* p) {
+  U16x16 h;
+  std::memcpy(&h, static_cast<const void*>(p), sizeof h);
+  return std::bit_cast<F32x16>(__builtin_convertvector(h, U32x16) << 16);
+}
+QUILT_VEC_INLINE void store16(float* p, const F32x16& v) { std::memcpy(p, &v, sizeof v); }
+/// Sixteen f32 values rounded to bf16: by the CPU's `vcvtneps2bf16` where it has AVX512-BF16
+/// (which flushes inputs below 2^-126 to zero), else as bf16_bits above, lane by lane.
+QUILT_VEC_INLINE void store16(BFloat16* p, const F32x16& v) {
+#if defined(__AVX512BF16__)
+  const __m256bh h = _mm512_cvtneps_pbh(std::bit_cast<__m512>(v));
+  std::memcpy(static_cast<void*>(p), &h, sizeof h);
+#else
+  const U32x16 u = std::bit_cast<U32x16>(v);
+  const U32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const U32x16 quiet = (u >> 16) | 0x40u;
+  const U32x16 nan = U32x16((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  const U16x16 h = __builtin_convertvector((quiet & nan) | (rounded & ~nan), U16x16);
+  std::memcpy(static_cast<void*>(p), &h, sizeof h);
+#endif
+}
+/// The lanes' sum in a fixed (pairwise) order.
+QUILT_VEC_INLINE float hsum(const F32x16& v) {
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
 
 }  // namespace quilt::kernels::cpu::vec

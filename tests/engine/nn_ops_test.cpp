@@ -337,7 +337,7 @@ TEST_CASE("nn ops: embedding rejects indices outside the vocabulary, naming inde
 }
 
 TEST_CASE("nn ops: rms_norm matches the reference with and without weight") {
-  const std::vector<Shape> shapes = {{3, 7}, {2, 3, 33}, {1}, {0, 8}, {4, 1}};
+  const std::vector<Shape> shapes = {{3, 7}, {2, 3, 33}, {1}, {0, 8}, {4, 1}, {5, 150}};
   for (const Shape& s : shapes) {
     const double eps = 1e-6;
     run_op_case({.name = "rms_norm", .inputs = {{s}, {{s.back()}}},
@@ -419,9 +419,11 @@ TEST_CASE("nn ops: rms_norm and layer_norm take f32 parameters with bf16 inputs"
 }
 
 TEST_CASE("nn ops: rotary_embedding rotates half-pairs like HF Llama's rotate_half") {
-  // (B, H, T, D) with (T, D/2) tables; (B, T, H, D) with (T, 1, D/2) tables; odd sizes; empty T.
+  // (B, H, T, D) with (T, D/2) tables; (B, T, H, D) with (T, 1, D/2) tables; odd sizes; empty T;
+  // head dims of 40 and 64.
   const std::vector<std::pair<Shape, Shape>> cases = {
-      {{2, 3, 5, 8}, {5, 4}}, {{2, 5, 3, 6}, {5, 1, 3}}, {{7, 2}, {7, 1}}, {{1, 2, 0, 4}, {0, 2}}, {{3, 4}, {2}}};
+      {{2, 3, 5, 8}, {5, 4}}, {{2, 5, 3, 6}, {5, 1, 3}}, {{7, 2}, {7, 1}}, {{1, 2, 0, 4}, {0, 2}}, {{3, 4}, {2}},
+      {{1, 2, 3, 40}, {3, 20}}, {{1, 3, 2, 64}, {3, 1, 32}}};  // half 20 and 32: sixteen pairs at a time and a tail
   for (const auto& [xs, ts] : cases) {
     run_op_case({.name = "rotary_embedding", .inputs = {{xs}, {ts}, {ts}},
                  .op = [](const V& x) { return V{rotary_embedding(x[0], x[1], x[2])}; },

@@ -73,3 +73,30 @@ TEST_CASE("vec_math: bf16 rounding equals float_to_bf16_bits: ties, NaN, inf, de
     CHECK(std::bit_cast<uint32_t>(vec::load(b)) == uint32_t(b.bits) << 16);
   }
 }
+
+TEST_CASE("vec_math: sixteen lanes load and round bf16 like the scalar forms; hsum adds every lane") {
+  std::vector<uint32_t> bits = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x3f807fffu, 0x7f800000u, 0xff800000u,
+                                0x7fc00000u, 0x7f800001u, 0xff812345u, 0x7f7f7fffu, 0x7f7f8000u, 0x7f7fffffu,
+                                0x00000000u, 0x80000000u, 0x00800000u, 0x00000001u, 0x807fffffu};
+  for (uint32_t i = 0; i < 4096; ++i) bits.push_back(i * 0x000fdb97u);
+  while (bits.size() % 16) bits.push_back(0x3f800000u);
+  std::vector<float> f(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) f[i] = std::bit_cast<float>(bits[i]);
+  std::vector<quilt::BFloat16> b(f.size());
+  std::vector<float> back(f.size());
+  for (size_t i = 0; i < f.size(); i += 16) vec::store16(b.data() + i, vec::load16(f.data() + i));
+  for (size_t i = 0; i < f.size(); i += 16) vec::store16(back.data() + i, vec::load16(b.data() + i));
+  for (size_t i = 0; i < f.size(); ++i) {
+    CAPTURE(bits[i]);
+    const uint16_t want = quilt::float_to_bf16_bits(f[i]);
+    // With AVX512-BF16 the CPU's conversion flushes f32 denormals to a signed zero.
+    const bool denormal = (bits[i] & 0x7f800000u) == 0 && (bits[i] & 0x007fffffu) != 0;
+    if (denormal) CHECK((b[i].bits == want || b[i].bits == (uint16_t(bits[i] >> 16) & 0x8000u)));
+    else CHECK(b[i].bits == want);
+    CHECK(std::bit_cast<uint32_t>(back[i]) == uint32_t(b[i].bits) << 16);
+  }
+  float lanes[16];
+  for (int i = 0; i < 16; ++i) lanes[i] = float(1 << i);
+  CHECK(vec::hsum(vec::load16(lanes)) == 65535.0f);
+  CHECK(vec::hsum(vec::splat16(0.5f)) == 8.0f);
+}
