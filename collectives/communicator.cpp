@@ -417,13 +417,21 @@ Device Communicator::staging_device(const Tensor& x, const char* op) const {
   return device_;
 }
 
+namespace {
+// An empty tensor of x's shape and dtype on `where`: page-locked when it is a GPU tensor's host
+// copy, so the copies between them run at full speed.
+Tensor staging_buffer(const Tensor& x, Device where) {
+  return Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = where, .pinned = !where.is_cuda() && x.device() != where});
+}
+}  // namespace
+
 Tensor Communicator::prepare_input(const Tensor& t, const char* op) const {
   if (usable_as_is(t)) return t;
   NoGradGuard ng;
   Tensor x = t.detach();
   const Device where = staging_device(x, op);
   if (x.device() == where) return x.contiguous();
-  Tensor staged = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = where, .pinned = !where.is_cuda()});
+  Tensor staged = staging_buffer(x, where);
   staged.copy_(x);
   return staged;
 }
@@ -434,7 +442,7 @@ Tensor Communicator::prepare_output(const Tensor& t, bool read_too, std::vector<
   Tensor x = t.detach();
   const Device where = staging_device(x, "communicator");
   if (x.device() == where && x.is_contiguous()) return x;
-  Tensor tmp = Tensor::empty(x.shape(), {.dtype = x.dtype(), .device = where, .pinned = !where.is_cuda() && x.device() != where});
+  Tensor tmp = staging_buffer(x, where);
   if (read_too) tmp.copy_(x);
   copy_back.push_back([x, tmp]() mutable {
     NoGradGuard g;

@@ -241,13 +241,20 @@ inline float row_sum16(int64_t n, F16&& add16, F1&& f1) {
   return s;
 }
 
+// A norm's weight row widened to f32 once per thread chunk; ones without a weight.
+template <class T>
+std::vector<float> weight_row(const T* w, int64_t cols) {
+  std::vector<float> row(size_t(cols), 1.0f);
+  for (int64_t i = 0; i < (w ? cols : 0); ++i) row[size_t(i)] = float(w[i]);
+  return row;
+}
+
 template <class T>
 void rms_fwd16(T* y, float* rstd, const T* x, const T* res, T* h, const T* w, int64_t rows, int64_t cols,
                double eps) {
   using vec::load16, vec::store16;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
-    std::vector<float> wbuf(size_t(cols), 1.0f);  // ones without a weight
-    for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = float(w[i]);
+    const std::vector<float> wbuf = weight_row(w, cols);
     const float* __restrict wp = wbuf.data();
     for (int64_t r = b; r < e; ++r) {
       const T* __restrict xr = x + r * cols;
@@ -330,8 +337,7 @@ void rms_bwd16(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, co
   const int64_t nb = norm_blocks(rows);
   std::vector<float> part(size_t(gw ? nb * cols : 0), 0.0f);
   parallel_range(nb, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> wbuf(size_t(cols), 1.0f);  // ones without a weight
-    for (int64_t i = 0; i < (w ? cols : 0); ++i) wbuf[size_t(i)] = float(w[i]);
+    const std::vector<float> wbuf = weight_row(w, cols);
     const float* __restrict wp = wbuf.data();
     for (int64_t blk = b0; blk < b1; ++blk) {
       float* __restrict pp = gw ? part.data() + blk * cols : nullptr;

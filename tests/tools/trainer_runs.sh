@@ -117,56 +117,38 @@ case "$mode" in
     fi
     grep -q "device: cuda:.*collectives over mpi through host memory" "$work/probe.log" ||
       { cat "$work/probe.log"; echo "no device line"; exit 1; }
+    # follows REF NAME NP [--set ...]: NAME on NP ranks follows REF's curve. f32 on both sides;
+    # reduction orders differ between devices and layouts (6 Adam steps).
+    follows() {
+      local ref=$1 name=$2; shift 2
+      run "$name" "$@"
+      "$compare" "$work/$ref/metrics.jsonl" "$work/$name/metrics.jsonl" 1e-3
+    }
     run host 1 --set train.steps=6
     gpu=(--set train.steps=6 --set train.device=cuda)
-    # f32 on both sides; reduction orders differ between devices and layouts (6 Adam steps).
-    run mpi_fsdp2 2 "${gpu[@]}"
-    "$compare" "$work/host/metrics.jsonl" "$work/mpi_fsdp2/metrics.jsonl" 1e-3
-    run mpi_ddp2 2 "${gpu[@]}" --set distributed.strategy=ddp
-    "$compare" "$work/host/metrics.jsonl" "$work/mpi_ddp2/metrics.jsonl" 1e-3
-    run mpi_tp2 2 "${gpu[@]}" --set distributed.tp_size=2
-    "$compare" "$work/host/metrics.jsonl" "$work/mpi_tp2/metrics.jsonl" 1e-3
-    run mpi_hsdp4 4 "${gpu[@]}" --set distributed.dp_replicate_size=2
-    "$compare" "$work/host/metrics.jsonl" "$work/mpi_hsdp4/metrics.jsonl" 1e-3
-    run mpi_pp2 2 "${gpu[@]}" --set distributed.pp_size=2 --set train.micro_batch_size=4
-    "$compare" "$work/host/metrics.jsonl" "$work/mpi_pp2/metrics.jsonl" 1e-3
-    # MoE (recipes/moe_tiny.yaml shrunk as moe_equivalence does): experts over 2 ranks, the
-    # dispatch's counts, reorder indices and grouped GEMM offsets on the GPUs.
-    moe=(--config "$(dirname "$0")/../../recipes/moe_tiny.yaml" "${common[@]:2}" --set model.moe_intermediate_size=32)
-    "${mpi[@]}" -n 1 "$quilt" train "${moe[@]}" --set "logging.dir=$work/moe_host" --set train.steps=6 \
-      > "$work/moe_host.log" 2>&1 || { cat "$work/moe_host.log"; exit 1; }
-    "${mpi[@]}" -n 2 "$quilt" train "${moe[@]}" --set "logging.dir=$work/mpi_ep2" "${gpu[@]}" \
-      --set distributed.ep_size=2 > "$work/mpi_ep2.log" 2>&1 || { cat "$work/mpi_ep2.log"; exit 1; }
-    "$compare" "$work/moe_host/metrics.jsonl" "$work/mpi_ep2/metrics.jsonl" 1e-3
+    follows host mpi_fsdp2 2 "${gpu[@]}"
+    follows host mpi_ddp2 2 "${gpu[@]}" --set distributed.strategy=ddp
+    follows host mpi_tp2 2 "${gpu[@]}" --set distributed.tp_size=2
+    follows host mpi_hsdp4 4 "${gpu[@]}" --set distributed.dp_replicate_size=2
+    follows host mpi_pp2 2 "${gpu[@]}" --set distributed.pp_size=2 --set train.micro_batch_size=4
     # Context parallelism at cp 2: all_gather and a2a on the tiny model; ring runs the fused
     # kernels, whose head dims are 64 or 128, so a wider model (hidden 128, 2 heads of 64).
-    run mpi_cp2ag 2 "${gpu[@]}" --set distributed.cp_size=2 --set distributed.cp_comm_type=all_gather
-    "$compare" "$work/host/metrics.jsonl" "$work/mpi_cp2ag/metrics.jsonl" 1e-3
-    run mpi_cp2a2a 2 "${gpu[@]}" --set distributed.cp_size=2 --set distributed.cp_comm_type=a2a
-    "$compare" "$work/host/metrics.jsonl" "$work/mpi_cp2a2a/metrics.jsonl" 1e-3
+    follows host mpi_cp2ag 2 "${gpu[@]}" --set distributed.cp_size=2 --set distributed.cp_comm_type=all_gather
+    follows host mpi_cp2a2a 2 "${gpu[@]}" --set distributed.cp_size=2 --set distributed.cp_comm_type=a2a
     wide=(--set model.hidden_size=128 --set model.num_attention_heads=2 --set model.num_key_value_heads=2)
     run wide_host 1 --set train.steps=6 "${wide[@]}"
-    run mpi_cp2ring 2 "${gpu[@]}" "${wide[@]}" --set distributed.cp_size=2
-    "$compare" "$work/wide_host/metrics.jsonl" "$work/mpi_cp2ring/metrics.jsonl" 1e-3
+    follows wide_host mpi_cp2ring 2 "${gpu[@]}" "${wide[@]}" --set distributed.cp_size=2
     # The GPUs the ranks see (CUDA_VISIBLE_DEVICES and MIG included), from the probe's device line.
     gpus=$(grep -o '[0-9]* GPUs visible' "$work/probe.log" | head -n 1 | cut -d' ' -f1)
+    nccl=("${gpu[@]}" --set dist_env.backend=nccl)
     if [ "${gpus:-0}" -ge 2 ]; then
-      nccl=("${gpu[@]}" --set dist_env.backend=nccl)
-      run nccl_fsdp2 2 "${nccl[@]}"
+      follows host nccl_fsdp2 2 "${nccl[@]}"
       grep -q "collectives over nccl" "$work/nccl_fsdp2.log" || { cat "$work/nccl_fsdp2.log"; exit 1; }
-      "$compare" "$work/host/metrics.jsonl" "$work/nccl_fsdp2/metrics.jsonl" 1e-3
-      run nccl_tp2 2 "${nccl[@]}" --set distributed.tp_size=2
-      "$compare" "$work/host/metrics.jsonl" "$work/nccl_tp2/metrics.jsonl" 1e-3
-      run nccl_ddp2 2 "${nccl[@]}" --set distributed.strategy=ddp
-      "$compare" "$work/host/metrics.jsonl" "$work/nccl_ddp2/metrics.jsonl" 1e-3
-      "${mpi[@]}" -n 2 "$quilt" train "${moe[@]}" --set "logging.dir=$work/nccl_ep2" "${nccl[@]}" \
-        --set distributed.ep_size=2 > "$work/nccl_ep2.log" 2>&1 || { cat "$work/nccl_ep2.log"; exit 1; }
-      "$compare" "$work/moe_host/metrics.jsonl" "$work/nccl_ep2/metrics.jsonl" 1e-3
-      run nccl_pp2 2 "${nccl[@]}" --set distributed.pp_size=2 --set train.micro_batch_size=4
+      follows host nccl_tp2 2 "${nccl[@]}" --set distributed.tp_size=2
+      follows host nccl_ddp2 2 "${nccl[@]}" --set distributed.strategy=ddp
+      follows host nccl_pp2 2 "${nccl[@]}" --set distributed.pp_size=2 --set train.micro_batch_size=4
       grep -q "pipeline: transfers over mpi through host memory" "$work/nccl_pp2.log" || { cat "$work/nccl_pp2.log"; exit 1; }
-      "$compare" "$work/host/metrics.jsonl" "$work/nccl_pp2/metrics.jsonl" 1e-3
-      run nccl_cp2ring 2 "${nccl[@]}" "${wide[@]}" --set distributed.cp_size=2
-      "$compare" "$work/wide_host/metrics.jsonl" "$work/nccl_cp2ring/metrics.jsonl" 1e-3
+      follows wide_host nccl_cp2ring 2 "${nccl[@]}" "${wide[@]}" --set distributed.cp_size=2
       if [ "$gpus" -eq 2 ]; then
         if "${mpi[@]}" -n 3 "$quilt" train "${common[@]}" "${nccl[@]}" --set train.global_batch_size=3 \
             --set "logging.dir=$work/shared" > "$work/shared.log" 2>&1; then
@@ -177,6 +159,13 @@ case "$mode" in
     else
       echo "nccl: not run (this machine has ${gpus:-0} GPU; the nccl backend needs a GPU per rank)"
     fi
+    # Last, MoE (recipes/moe_tiny.yaml shrunk as moe_equivalence does, in place of the dense
+    # recipe from here on): experts over 2 ranks, the dispatch's counts, reorder indices and
+    # grouped GEMM offsets on the GPUs.
+    common=(--config "$(dirname "$0")/../../recipes/moe_tiny.yaml" "${common[@]:2}" --set model.moe_intermediate_size=32)
+    run moe_host 1 --set train.steps=6
+    follows moe_host mpi_ep2 2 "${gpu[@]}" --set distributed.ep_size=2
+    if [ "${gpus:-0}" -ge 2 ]; then follows moe_host nccl_ep2 2 "${nccl[@]}" --set distributed.ep_size=2; fi
     ;;
   resume)
     run straight 2 --set train.steps=10 --set distributed.strategy=ddp
