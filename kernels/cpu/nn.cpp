@@ -11,6 +11,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -140,7 +141,73 @@ void softmax_bwd(T* gin, const T* gout, const T* y, int64_t rows, int64_t cols, 
   });
 }
 
+// bf16 rows (and f32 ones where measured faster) go sixteen lanes at a time (vec::F32x16): T loaded
+// and stored in place, no scratch row, and the row's sums in four independent accumulators. A sum is
+// taken over 64-element steps into the four, then 16-element steps into the first, then the
+// scalar tail, so its order is a function of the row length alone.
+template <class T>
+constexpr bool kLanes16 = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
+
+// Σ f(i) over [0, n): add16(i, acc) adds lanes i..i+15 into acc, f1(i) gives element i. (The
+// lanes go by reference: a lambda returning a 64-byte vector draws GCC's ABI note off AVX-512.)
+template <class F16, class F1>
+inline float row_sum16(int64_t n, F16&& add16, F1&& f1) {
+  vec::F32x16 a0{}, a1{}, a2{}, a3{};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    add16(i, a0);
+    add16(i + 16, a1);
+    add16(i + 32, a2);
+    add16(i + 48, a3);
+  }
+  for (; i + 16 <= n; i += 16) add16(i, a0);
+  float s = vec::hsum((a0 + a1) + (a2 + a3));
+  for (; i < n; ++i) s += f1(i);
+  return s;
+}
+
 // ---- cross entropy ----
+
+// Where the CPU has AVX-512, the exp-bound kernels (SwiGLU, cross entropy) can take the exp in
+// sixteen lanes (vec::exp16), T read and written in place. In alternating runs against Eigen's
+// array form (docs/PERF.md, 2026-12-06) that won for every bf16 kernel (1.3-3.4x: no widened copy
+// of the rows and no narrowing pass) and, in f32, for the SwiGLU backward and the cross-entropy
+// forward (which prefetches the next row); the f32 SwiGLU forward and cross-entropy backward
+// measured within the noise or below and stay on Eigen, as does everything off AVX-512, f64, f16.
+template <class T>
+constexpr bool kExpLanes = vec::kFastExp16 && kLanes16<T>;
+template <class T>
+constexpr bool kExpLanesBf16 = vec::kFastExp16 && std::is_same_v<T, BFloat16>;
+
+// log Σ exp(x_i) of a row: its max in four lane accumulators, then Σ exp(x - max) by row_sum16
+// from cache. `next` (the following row, or null) is prefetched during the exp pass, so its trip
+// from memory overlaps this row's exps instead of stalling the next max pass.
+template <class T>
+float row_logsumexp16(const T* x, int64_t n, const T* next = nullptr) {
+  float m = -std::numeric_limits<float>::infinity();
+  if (n >= 16) {
+    vec::F32x16 m0 = vec::load16(x), m1 = m0, m2 = m0, m3 = m0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      m0 = vec::max16(m0, vec::load16(x + i));
+      m1 = vec::max16(m1, vec::load16(x + i + 16));
+      m2 = vec::max16(m2, vec::load16(x + i + 32));
+      m3 = vec::max16(m3, vec::load16(x + i + 48));
+    }
+    for (; i + 16 <= n; i += 16) m0 = vec::max16(m0, vec::load16(x + i));
+    m = vec::hmax(vec::max16(vec::max16(m0, m1), vec::max16(m2, m3)));
+  }
+  for (int64_t i = n / 16 * 16; i < n; ++i) m = std::max(m, vec::load(x[i]));
+  const vec::F32x16 m16 = vec::splat16(m);
+  const float s = row_sum16(
+      n,
+      [&](int64_t i, vec::F32x16& acc) {
+        if (next) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+        acc += vec::exp16(vec::load16(x + i) - m16);
+      },
+      [&](int64_t i) { return vec::exp(vec::load(x[i]) - m); });
+  return m + std::log(s);
+}
 
 template <class C>
 C logsumexp(const CArr<C>& x) {
@@ -162,9 +229,16 @@ void ce_fwd(compute_t<T>* loss, compute_t<T>* lse, const T* logits, const I* tar
         if (lse) lse[r] = C(0);
         continue;
       }
-      CArr<C> x(S::load(logits + r * cols, cols, s.a), cols);
-      const C l = logsumexp(x);
-      loss[r] = l - x[t];
+      C l, xt;
+      if constexpr (kExpLanes<T>) {
+        l = row_logsumexp16(logits + r * cols, cols, r + 1 < e ? logits + (r + 1) * cols : nullptr);
+        xt = vec::load(logits[r * cols + t]);
+      } else {
+        CArr<C> x(S::load(logits + r * cols, cols, s.a), cols);
+        l = logsumexp(x);
+        xt = x[t];
+      }
+      loss[r] = l - xt;
       if (lse) lse[r] = l;
     }
   });
@@ -186,10 +260,25 @@ void ce_bwd(T* grad, const T* logits, const I* target, const compute_t<T>* scale
         std::memset(static_cast<void*>(orow), 0, size_t(cols) * sizeof(T));
         continue;
       }
+      const C k = scale[r];
+      if constexpr (kExpLanesBf16<T>) {
+        const T* x = logits + r * cols;
+        const float l = lse ? lse[r] : row_logsumexp16(x, cols);
+        const vec::F32x16 l16 = vec::splat16(l), k16 = vec::splat16(k);
+        int64_t i = 0;
+        for (; i + 16 <= cols; i += 16) vec::store16(orow + i, vec::exp16(vec::load16(x + i) - l16) * k16);
+        for (; i < cols; ++i) vec::store(orow[i], vec::exp(vec::load(x[i]) - l) * k);
+        // The target's element again from the logit (a bf16 row was already rounded once).
+        vec::store(orow[t], vec::exp(vec::load(x[t]) - l) * k - k);
+        continue;
+      }
       CArr<C> x(S::load(logits + r * cols, cols, s.a), cols);
       Arr<C> o(S::target(orow, s.b), cols);
-      const C k = scale[r];
-      const C l = lse ? lse[r] : logsumexp(x);
+      // (recomputed as the forward computes it, so a kept and a recomputed lse are the same bits)
+      C l;
+      if (lse) l = lse[r];
+      else if constexpr (kExpLanes<T>) l = row_logsumexp16(logits + r * cols, cols);
+      else l = logsumexp(x);
       o = (x - l).exp() * k;
       o[t] -= k;
       S::store(orow, o.data(), cols);
@@ -214,31 +303,6 @@ void sum_partials(T* out, const std::vector<C>& part, int64_t nb, int64_t cols) 
       out[c] = T(acc);
     }
   });
-}
-
-// bf16 rows (and f32 ones where measured faster) go sixteen lanes at a time (vec::F32x16): T loaded
-// and stored in place, no scratch row, and the row's sums in four independent accumulators. A sum is
-// taken over 64-element steps into the four, then 16-element steps into the first, then the
-// scalar tail, so its order is a function of the row length alone.
-template <class T>
-constexpr bool kLanes16 = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
-
-// Σ f(i) over [0, n): add16(i, acc) adds lanes i..i+15 into acc, f1(i) gives element i. (The
-// lanes go by reference: a lambda returning a 64-byte vector draws GCC's ABI note off AVX-512.)
-template <class F16, class F1>
-inline float row_sum16(int64_t n, F16&& add16, F1&& f1) {
-  vec::F32x16 a0{}, a1{}, a2{}, a3{};
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    add16(i, a0);
-    add16(i + 16, a1);
-    add16(i + 32, a2);
-    add16(i + 48, a3);
-  }
-  for (; i + 16 <= n; i += 16) add16(i, a0);
-  float s = vec::hsum((a0 + a1) + (a2 + a3));
-  for (; i < n; ++i) s += f1(i);
-  return s;
 }
 
 // A norm's weight row widened to f32 once per thread chunk; ones without a weight.
@@ -518,9 +582,51 @@ void for_blocks(int64_t n, F&& f) {
   });
 }
 
+// silu(g)·u and its gradients where the CPU has AVX-512: one pass, sixteen lanes, T read and
+// written in place (vec::exp16), no widened block and no second pass to narrow it.
+template <class T>
+void swiglu_fwd16(T* out, const T* gate, const T* up, int64_t n) {
+  for_blocks(n, [&](int64_t off, int64_t len) {
+    const T *g = gate + off, *u = up + off;
+    T* o = out + off;
+    const vec::F32x16 one = vec::splat16(1.0f);
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+      const vec::F32x16 gv = vec::load16(g + i);
+      vec::store16(o + i, gv / (one + vec::exp16(-gv)) * vec::load16(u + i));
+    }
+    for (; i < len; ++i) vec::store(o[i], vec::load(g[i]) * vec::sigmoid(vec::load(g[i])) * vec::load(u[i]));
+  });
+}
+
+template <class T>
+void swiglu_bwd16(T* ggate, T* gup, const T* gout, const T* gate, const T* up, int64_t n) {
+  for_blocks(n, [&](int64_t off, int64_t len) {
+    const T *g = gate + off, *u = up + off, *go = gout + off;
+    T *dg = ggate + off, *du = gup + off;
+    const vec::F32x16 one = vec::splat16(1.0f);
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+      const vec::F32x16 gv = vec::load16(g + i), gov = vec::load16(go + i);
+      const vec::F32x16 sig = one / (one + vec::exp16(-gv));
+      vec::store16(du + i, gov * gv * sig);
+      vec::store16(dg + i, gov * vec::load16(u + i) * sig * (one + gv * (one - sig)));
+    }
+    for (; i < len; ++i) {
+      const float gi = vec::load(g[i]), gi_out = vec::load(go[i]), sig = vec::sigmoid(gi);
+      vec::store(du[i], gi_out * gi * sig);
+      vec::store(dg[i], gi_out * vec::load(u[i]) * sig * (1.0f + gi * (1.0f - sig)));
+    }
+  });
+}
+
 template <class T>
 void swiglu_fwd(T* out, const T* gate, const T* up, int64_t n) {
   using C = compute_t<T>;
+  if constexpr (kExpLanesBf16<T>) {
+    swiglu_fwd16(out, gate, up, n);
+    return;
+  }
   for_blocks(n, [&](int64_t off, int64_t len) {
     alignas(64) C gb[kEltBlock], ub[kEltBlock], ob[kEltBlock];
     CArr<C> g(widen_block(gate + off, len, gb), len), u(widen_block(up + off, len, ub), len);
@@ -530,12 +636,16 @@ void swiglu_fwd(T* out, const T* gate, const T* up, int64_t n) {
   });
 }
 
-// The backward's sigmoid by vec::exp in one vectorised loop over the block (Eigen's array form
-// took three passes over it and a division per element that did not pipeline); f64 and f16 keep
-// the Eigen form.
+// Off AVX-512 the backward's sigmoid by vec::exp in one vectorised loop over the block (Eigen's
+// array form took three passes over it and a division per element that did not pipeline); f64
+// and f16 keep the Eigen form.
 template <class T>
 void swiglu_bwd(T* ggate, T* gup, const T* gout, const T* gate, const T* up, int64_t n) {
   using C = compute_t<T>;
+  if constexpr (kExpLanes<T>) {
+    swiglu_bwd16(ggate, gup, gout, gate, up, n);
+    return;
+  }
   for_blocks(n, [&](int64_t off, int64_t len) {
     alignas(64) C gb[kEltBlock], ub[kEltBlock], hb[kEltBlock], sb[kEltBlock], dgb[kEltBlock], dub[kEltBlock];
     const C* __restrict g = widen_block(gate + off, len, gb);

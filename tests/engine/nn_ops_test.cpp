@@ -224,7 +224,10 @@ TEST_CASE("nn ops: softmax of large inputs runs rows in parallel and matches the
 
 TEST_CASE("nn ops: cross_entropy matches the reference for every reduction, with ignored targets") {
   const int64_t ignore = -100;
-  const std::vector<std::pair<Shape, int64_t>> cases = {{{7}, 5}, {{1}, 33}, {{0}, 4}, {{2, 3}, 6}, {{5}, 1}};
+  // (Rows of 33 and 150 classes take the CPU's sixteen-lane steps: 64-element steps, then 16,
+  // then a scalar tail.)
+  const std::vector<std::pair<Shape, int64_t>> cases = {{{7}, 5}, {{1}, 33}, {{0}, 4}, {{2, 3}, 6}, {{5}, 1},
+                                                        {{3}, 150}};
   for (const auto& [lead, c] : cases) {
     Shape ls = lead;
     ls.push_back(c);
@@ -277,6 +280,41 @@ TEST_CASE("nn ops: cross_entropy keeps f32 accuracy for bf16 logits and returns 
   want /= double(counted);
   // One bf16 rounding of the result, not of every per-row loss and partial sum.
   CHECK(got.item<double>() == doctest::Approx(want).epsilon(4e-3));
+}
+
+TEST_CASE("nn ops: cross_entropy stays finite for huge logits and gives -inf logits zero gradient") {
+  // Row 0 sits at 1e4 (exp overflows without the max subtracted); row 1 masks every class but
+  // three with -inf, in f32 and bf16, in rows long enough for every lane step.
+  const int64_t c = 150;
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> v(size_t(2 * c));
+  for (int64_t j = 0; j < c; ++j) {
+    v[size_t(j)] = 1e4 + 0.01 * double(j % 7);
+    v[size_t(c + j)] = (j == 3 || j == 70 || j == 149) ? 0.5 * double(j % 5) : -inf;
+  }
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    Tensor x = from_vector(v, {2, c}).to(dt).set_requires_grad();
+    Tensor t = from_vector({4, 70}, {2}, {.dtype = DType::i64});
+    Tensor loss = cross_entropy(x, t, -100, Reduction::none);
+    const std::vector<double> xs = x.detach().to(DType::f64).to_vector();
+    for (int64_t r = 0; r < 2; ++r) {
+      double m = -inf, s = 0;
+      for (int64_t j = 0; j < c; ++j) m = std::max(m, xs[size_t(r * c + j)]);
+      for (int64_t j = 0; j < c; ++j) s += std::exp(xs[size_t(r * c + j)] - m);
+      const double want = m + std::log(s) - xs[size_t(r * c + (r == 0 ? 4 : 70))];
+      // (row 0's loss is lse - x_t, both near 1e4: f32 keeps it to ~1e-3, a bf16 result to 2^-5 of 5)
+      CHECK(std::abs(loss.to(DType::f64).to_vector()[size_t(r)] - want) < (dt == DType::bf16 ? 4e-2 : 4e-3));
+    }
+    loss.sum().backward();
+    const std::vector<double> gx = x.grad().to(DType::f64).to_vector();
+    for (int64_t j = 0; j < c; ++j) {
+      // (0 where exp flushes results below f32's normal range, as the lane kernels do; a denormal
+      // with Eigen's array exp elsewhere)
+      if (std::isinf(v[size_t(c + j)])) CHECK(std::abs(gx[size_t(c + j)]) < 1e-37);
+      CHECK(std::isfinite(gx[size_t(j)]));
+    }
+  }
 }
 
 TEST_CASE("nn ops: cross_entropy errors name the shapes and the first bad target") {
