@@ -221,7 +221,7 @@ void ce_fwd(compute_t<T>* loss, compute_t<T>* lse, const T* logits, const I* tar
   using S = Scratch<T>;
   using C = typename S::C;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
-    S s(cols);
+    S s(kExpLanes<T> ? 0 : cols);  // (the lane path needs no scratch row)
     for (int64_t r = b; r < e; ++r) {
       const int64_t t = int64_t(target[r]);
       if (t == ignore) {
@@ -252,7 +252,7 @@ void ce_bwd(T* grad, const T* logits, const I* target, const compute_t<T>* scale
   using S = Scratch<T>;
   using C = typename S::C;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
-    S s(cols);
+    S s(kExpLanesBf16<T> ? 0 : cols);
     for (int64_t r = b; r < e; ++r) {
       T* orow = grad + r * cols;
       const int64_t t = int64_t(target[r]);
@@ -595,7 +595,10 @@ void swiglu_fwd16(T* out, const T* gate, const T* up, int64_t n) {
       const vec::F32x16 gv = vec::load16(g + i);
       vec::store16(o + i, gv / (one + vec::exp16(-gv)) * vec::load16(u + i));
     }
-    for (; i < len; ++i) vec::store(o[i], vec::load(g[i]) * vec::sigmoid(vec::load(g[i])) * vec::load(u[i]));
+    for (; i < len; ++i) {  // the lanes' formula, element by element
+      const float gi = vec::load(g[i]);
+      vec::store(o[i], gi / (1.0f + vec::exp(-gi)) * vec::load(u[i]));
+    }
   });
 }
 
