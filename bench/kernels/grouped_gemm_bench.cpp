@@ -9,7 +9,8 @@
 // read through a transposed view (stacked Linear weights, as models/moe keeps them: "nk") or
 // stored (E, K, N) ("kn"); the baselines read the same storage. Counters: TFLOPs (grouped),
 // dense_TFLOPs, loop_TFLOPs, vs_dense = grouped/dense, vs_loop = grouped/loop (best of the
-// iterations of each).
+// iterations of each). The same in bf16 (f32 accumulate) for the model's nk layout: the engine's
+// bf16 matmul is the dense and loop baseline there.
 // Then moe_permute + moe_unpermute GB/s against memcpy's in the same run (vs_copy).
 #include <omp.h>
 
@@ -79,15 +80,16 @@ std::vector<int64_t> routing_counts(int64_t experts, int64_t rows, bool skewed) 
   return c;
 }
 
-void BM_grouped_mm(benchmark::State& state, ExpertShape s, int64_t rows, bool skewed, bool nk) {
+void BM_grouped_mm(benchmark::State& state, ExpertShape s, int64_t rows, bool skewed, bool nk, DType dt) {
   const int64_t experts = experts_for(s, rows);
   const std::vector<int64_t> counts = routing_counts(experts, rows, skewed);
   std::vector<int64_t> off(counts.size());
   std::partial_sum(counts.begin(), counts.end(), off.begin());
   const int64_t m = off.back();
   const Tensor offsets = from_vector(std::vector<double>(off.begin(), off.end()), {experts}, {.dtype = DType::i64});
-  const Tensor x = randn({m, s.k}, RngKey(1, "x"));
-  const Tensor w = nk ? randn({experts, s.n, s.k}, RngKey(1, "w")).transpose(1, 2) : randn({experts, s.k, s.n}, RngKey(1, "w"));
+  const Tensor x = randn({m, s.k}, RngKey(1, "x")).to(dt);
+  const Tensor w = nk ? randn({experts, s.n, s.k}, RngKey(1, "w")).to(dt).transpose(1, 2)
+                      : randn({experts, s.k, s.n}, RngKey(1, "w")).to(dt);
   const Tensor w_dense = w.select(0, 0);
   std::vector<Tensor> xs, ws;
   for (int64_t e = 0, start = 0; e < experts; start = off[size_t(e)], ++e) {
@@ -119,7 +121,8 @@ void BM_grouped_mm(benchmark::State& state, ExpertShape s, int64_t rows, bool sk
   state.counters["vs_loop"] = tl / tg;
   state.counters["experts"] = double(experts);
   state.counters["max_rows"] = double(*std::max_element(counts.begin(), counts.end()));
-  state.SetLabel(std::string(s.name) + (skewed ? " zipf" : " balanced") + (nk ? " w(E,N,K)^T" : " w(E,K,N)"));
+  state.SetLabel(std::string(s.name) + (skewed ? " zipf" : " balanced") + (nk ? " w(E,N,K)^T" : " w(E,K,N)") + " " +
+                 dtype_name(dt));
 }
 
 // ---- permute + combine bandwidth ----
@@ -181,16 +184,20 @@ const bool kRegistered = [] {
       // One DeepSeek expert at 1024 rows is 30 GFLOP (~0.4 s here per call, x3 baselines):
       // past this suite's time budget; the Qwen shapes cover 1024 rows per expert.
       if (s.k * s.n * rows > int64_t(8) << 30) continue;
-      for (bool nk : {true, false})
-        for (bool skewed : {false, true}) {
-          const std::string name = std::string("BM_grouped_mm/") + s.name + (nk ? "/nk" : "/kn") +
-                                   "/rows:" + std::to_string(rows) + (skewed ? "/zipf" : "/balanced");
-          benchmark::RegisterBenchmark(name.c_str(),
-                                       [=](benchmark::State& st) { BM_grouped_mm(st, s, rows, skewed, nk); })
-              ->UseManualTime()
-              ->Iterations(flops_of(s, rows) > 6e9 ? 2 : 3)  // the largest calls: 6.4 to 15 GFLOP
-              ->Unit(benchmark::kMillisecond);
-        }
+      for (DType dt : {DType::f32, DType::bf16})
+        for (bool nk : {true, false})
+          for (bool skewed : {false, true}) {
+            // bf16 (what mixed-precision MoE training multiplies): the model's layout only.
+            if (dt == DType::bf16 && !nk) continue;
+            const std::string name = std::string("BM_grouped_mm/") + s.name + (nk ? "/nk" : "/kn") +
+                                     (dt == DType::bf16 ? "/bf16" : "") + "/rows:" + std::to_string(rows) +
+                                     (skewed ? "/zipf" : "/balanced");
+            benchmark::RegisterBenchmark(name.c_str(),
+                                         [=](benchmark::State& st) { BM_grouped_mm(st, s, rows, skewed, nk, dt); })
+                ->UseManualTime()
+                ->Iterations(flops_of(s, rows) > 6e9 ? 2 : 3)  // the largest calls: 6.4 to 15 GFLOP
+                ->Unit(benchmark::kMillisecond);
+          }
     }
   benchmark::RegisterBenchmark("BM_permute_unpermute", BM_permute_unpermute)
       ->Arg(2048)

@@ -6,8 +6,9 @@
 // transpose mode (kernels/cpu/gemm_libs.h: OpenBLAS, BLIS, oneDNN or Eigen; nested in the region, every one of
 // them runs on the calling thread, and each thread's nthreads ICV is 1 there as well), so a tile
 // is computed the same way however many threads run and wherever it lands: the result is
-// bit-identical across thread counts. bf16/f16 tiles are widened into per-thread f32 scratch,
-// multiplied and rounded once.
+// bit-identical across thread counts. bf16/f16 tiles are multiplied into per-thread f32 scratch
+// and rounded once: bf16 natively where the CPU can (oneDNN, AVX512-BF16 or AMX), otherwise
+// (and f16 always) widened to f32 first.
 #include "kernels/cpu/moe.h"
 
 #include <omp.h>
@@ -75,16 +76,29 @@ struct Scratch {
   std::vector<float> a, b, c;
 };
 
-// c (m, n) = a @ b in T's compute type: directly for f32/f64, through f32 scratch for 16-bit.
+// c (m, n) = a @ b in T's compute type: directly for f32/f64; for 16-bit into f32 scratch,
+// rounded once: bf16 operands straight to oneDNN's native bf16 GEMM (f32 accumulate) where the
+// CPU has AVX512-BF16 or AMX (gemm_libs::bf16_native), otherwise widened to f32 first.
 template <class T>
 void gemm_any(int64_t m, int64_t n, int64_t k, const Mat<T>& a, const Mat<T>& b, T* c, int64_t ldc, Scratch& s) {
   if (m == 0 || n == 0) return;
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
     gemm_tile<T>(m, n, k, a, b, c, ldc);
   } else {
-    const Mat<float> fa = widen(a, m, k, s.a), fb = widen(b, k, n, s.b);
     s.c.resize(size_t(m * n));
-    gemm_tile<float>(m, n, k, fa, fb, s.c.data(), n);
+    bool done = false;
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (k > 0 && gemm_libs::bf16_native()) {
+        const GemmArgs g{.m = m, .n = n, .k = k, .trans_a = a.trans, .trans_b = b.trans, .a = a.p, .lda = a.ld,
+                         .b = b.p, .ldb = b.ld, .c = s.c.data(), .ldc = n};
+        done = gemm_libs::gemm_bf16_f32(gemm_libs::Lib::onednn, g, reinterpret_cast<const uint16_t*>(a.p),
+                                        reinterpret_cast<const uint16_t*>(b.p), s.c.data());
+      }
+    }
+    if (!done) {
+      const Mat<float> fa = widen(a, m, k, s.a), fb = widen(b, k, n, s.b);
+      gemm_tile<float>(m, n, k, fa, fb, s.c.data(), n);
+    }
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = T(s.c[size_t(i * n + j)]);
   }
