@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "kernels/cpu/eigen_map.h"
 #include "kernels/cpu/gemm_libs.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec_math.h"
 
 namespace quilt::kernels::cpu {
 namespace {
@@ -253,35 +255,81 @@ void permute_t(int64_t n, int64_t h, int64_t k, const int64_t* order, const T* x
   });
 }
 
+// a * b + c with one rounding where the target has FMA, two otherwise (the vectorised loops
+// below name the order of every add, so the combine's result does not depend on how the
+// compiler chose to contract).
+QUILT_VEC_INLINE float mul_add(float a, float b, float c) { return vec::mul_add(a, b, c); }
+QUILT_VEC_INLINE double mul_add(double a, double b, double c) {
+#if defined(__FP_FAST_FMA)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// acc[i] = (acc[i] +) sum over j < G of ws[j] * src[j][i] (or src[j][i] unweighted), in
+// ascending j: the first term of the row a product, every later one a mul_add into the running
+// sum. All G rows are read in one pass and the sum kept in a register, so the k rows of a token
+// stream in together and acc is written once per pass, not once per row.
+template <int G, bool First, bool Weighted, class T, class C>
+QUILT_VEC_INLINE void combine_pass(C* __restrict acc, int64_t n, const T* const* src, const C* ws) {
+  const T* s[G];
+  C w[G];
+  for (int j = 0; j < G; ++j) s[j] = src[j], w[j] = Weighted ? ws[j] : C(1);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    C v;
+    if constexpr (First) v = Weighted ? w[0] * C(vec::load(s[0][i])) : C(vec::load(s[0][i]));
+    else v = Weighted ? mul_add(w[0], C(vec::load(s[0][i])), acc[i]) : acc[i] + C(vec::load(s[0][i]));
+    for (int j = 1; j < G; ++j) v = Weighted ? mul_add(w[j], C(vec::load(s[j][i])), v) : v + C(vec::load(s[j][i]));
+    acc[i] = v;
+  }
+}
+
+// acc = the combine of k rows (k >= 1) in passes of 8, 4, 2 and 1 rows: the same order of adds as
+// one row at a time, so the result does not depend on how k splits into passes.
+template <bool Weighted, class T, class C>
+void combine_rows(C* __restrict acc, int64_t n, int64_t k, const T* const* src, const C* ws) {
+  int64_t j = 0;
+  auto pass = [&]<int G>() {
+    if (j == 0) combine_pass<G, true, Weighted>(acc, n, src, ws);
+    else combine_pass<G, false, Weighted>(acc, n, src + j, ws + j);
+    j += G;
+  };
+  while (k - j >= 8) pass.template operator()<8>();
+  if (k - j >= 4) pass.template operator()<4>();
+  if (k - j >= 2) pass.template operator()<2>();
+  if (k - j >= 1) pass.template operator()<1>();
+}
+
 template <class T>
 void unpermute_t(int64_t tokens, int64_t h, int64_t k, const int64_t* slot_row, const T* y, int64_t ldy, const T* w,
                  T* out) {
   using C = compute_t<T>;
-  constexpr int64_t kChunk = 1024;  // columns accumulated at a time (on the stack for 16-bit)
-  parallel_range(tokens, row_grain(h * std::max<int64_t>(k, 1)), [&](int64_t lo, int64_t hi) {
+  if (k == 0) {
+    for (int64_t i = 0; i < tokens * h; ++i) out[i] = T(0);
+    return;
+  }
+  constexpr int64_t kChunk = 1024;  // columns at a time (accumulated on the stack for 16-bit)
+  parallel_range(tokens, row_grain(h * k), [&](int64_t lo, int64_t hi) {
+    std::vector<const T*> src(static_cast<size_t>(k));
+    std::vector<C> ws(static_cast<size_t>(k));
     C acc_buf[std::is_same_v<T, C> ? 1 : kChunk];
     for (int64_t t = lo; t < hi; ++t) {
       T* dst = out + t * h;
+      for (int64_t j = 0; j < k; ++j) ws[size_t(j)] = w ? C(w[t * k + j]) : C(1);
       for (int64_t c0 = 0; c0 < h; c0 += kChunk) {
         const int64_t nc = std::min(kChunk, h - c0);
+        for (int64_t j = 0; j < k; ++j) src[size_t(j)] = y + slot_row[t * k + j] * ldy + c0;
         C* acc;
         if constexpr (std::is_same_v<T, C>) acc = dst + c0;
         else acc = acc_buf;
-        if (k == 0) std::fill(acc, acc + nc, C(0));
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t s = t * k + j;
-          const T* src = y + slot_row[s] * ldy + c0;
-          if (w) {
-            const C ws = C(w[s]);
-            if (j == 0) for (int64_t i = 0; i < nc; ++i) acc[i] = ws * C(src[i]);
-            else for (int64_t i = 0; i < nc; ++i) acc[i] += ws * C(src[i]);
-          } else {
-            if (j == 0) for (int64_t i = 0; i < nc; ++i) acc[i] = C(src[i]);
-            else for (int64_t i = 0; i < nc; ++i) acc[i] += C(src[i]);
-          }
+        if (w) combine_rows<true>(acc, nc, k, src.data(), ws.data());
+        else combine_rows<false>(acc, nc, k, src.data(), ws.data());
+        if constexpr (!std::is_same_v<T, C>) {
+#pragma omp simd
+          for (int64_t i = 0; i < nc; ++i) vec::store(dst[c0 + i], acc[i]);
         }
-        if constexpr (!std::is_same_v<T, C>)
-          for (int64_t i = 0; i < nc; ++i) dst[c0 + i] = T(acc[i]);
       }
     }
   });

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -438,28 +439,36 @@ TEST_CASE("moe ops: a routed expert layer's gradients match finite differences")
                    }});
 }
 
-TEST_CASE("moe_unpermute: 16-bit inputs accumulate in f32 and round once") {
-  const int64_t tokens = 64, k = 4, h = 300;
-  const std::vector<int64_t> order = route_ref(random_choices(tokens, k, 8, 51), 8);
-  const Tensor ord = index_tensor(order, {tokens * k});
-  for (DType dt : {DType::bf16, DType::f16}) {
-    INFO("dtype ", dtype_name(dt));
-    Tensor y = randn({tokens * k, h}, RngKey(8, "y")).to(dt), w = rand({tokens, k}, RngKey(8, "w")).to(dt);
-    Tensor out = moe_unpermute(y, ord, w);
-    // The same sums in f32, slot by slot, rounded once: bit for bit.
-    const auto yv = y.to_vector(), wv = w.to_vector();
-    std::vector<int64_t> row(order.size());
-    for (size_t p = 0; p < order.size(); ++p) row[size_t(order[p])] = int64_t(p);
-    std::vector<double> want(size_t(tokens * h));
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t c = 0; c < h; ++c) {
-        float acc = 0;
-        for (int64_t j = 0; j < k; ++j)
-          acc = j == 0 ? float(wv[size_t(t * k)]) * float(yv[size_t(row[size_t(t * k)] * h + c)])
-                       : acc + float(wv[size_t(t * k + j)]) * float(yv[size_t(row[size_t(t * k + j)] * h + c)]);
-        want[size_t(t * h + c)] = acc;
-      }
-    CHECK(bit_equal(out, from_vector(want, {tokens, h}).to(dt)));
+TEST_CASE("moe_unpermute: sums each token's rows in slot order in f32, 16-bit rounded once, for any k") {
+  // k = 1, 4, 7 (a pass of 4, 2 and 1 rows), 11 (8, 2, 1) and 19 (8, 8, 2, 1): the kernel reads
+  // several rows per pass, and the sums must still be the slot-by-slot ones, bit for bit.
+  const int64_t tokens = 64, h = 1100;  // more than one 1024-column chunk
+  for (int64_t k : {1, 4, 7, 11, 19}) {
+    const std::vector<int64_t> order = route_ref(random_choices(tokens, k, 24, 51), 24);
+    const Tensor ord = index_tensor(order, {tokens * k});
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+      INFO("k ", k, ", dtype ", dtype_name(dt));
+      Tensor y = randn({tokens * k, h}, RngKey(8, "y")).to(dt), w = rand({tokens, k}, RngKey(8, "w")).to(dt);
+      Tensor out = moe_unpermute(y, ord, w);
+      const auto yv = y.to_vector(), wv = w.to_vector();
+      std::vector<int64_t> row(order.size());
+      for (size_t p = 0; p < order.size(); ++p) row[size_t(order[p])] = int64_t(p);
+      std::vector<double> want(size_t(tokens * h));
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t c = 0; c < h; ++c) {
+          float acc = 0;
+          for (int64_t j = 0; j < k; ++j) {
+            const float wj = float(wv[size_t(t * k + j)]), yj = float(yv[size_t(row[size_t(t * k + j)] * h + c)]);
+#if defined(__FP_FAST_FMAF)
+            acc = j == 0 ? wj * yj : std::fma(wj, yj, acc);
+#else
+            acc = j == 0 ? wj * yj : acc + wj * yj;
+#endif
+          }
+          want[size_t(t * h + c)] = acc;
+        }
+      CHECK(bit_equal(out, from_vector(want, {tokens, h}).to(dt)));
+    }
   }
 }
 
