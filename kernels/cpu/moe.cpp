@@ -14,7 +14,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -255,21 +254,9 @@ void permute_t(int64_t n, int64_t h, int64_t k, const int64_t* order, const T* x
   });
 }
 
-// a * b + c with one rounding where the target has FMA, two otherwise (the vectorised loops
-// below name the order of every add, so the combine's result does not depend on how the
-// compiler chose to contract).
-QUILT_VEC_INLINE float mul_add(float a, float b, float c) { return vec::mul_add(a, b, c); }
-QUILT_VEC_INLINE double mul_add(double a, double b, double c) {
-#if defined(__FP_FAST_FMA)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
 // acc[i] = (acc[i] +) sum over j < G of ws[j] * src[j][i] (or src[j][i] unweighted), in
-// ascending j: the first term of the row a product, every later one a mul_add into the running
-// sum. All G rows are read in one pass and the sum kept in a register, so the k rows of a token
+// ascending j: the first term of the row a product, every later one a vec::mul_add into the
+// running sum (named, so the bits do not depend on how the compiler contracts). All G rows are read in one pass and the sum kept in a register, so the k rows of a token
 // stream in together and acc is written once per pass, not once per row.
 template <int G, bool First, bool Weighted, class T, class C>
 QUILT_VEC_INLINE void combine_pass(C* __restrict acc, int64_t n, const T* const* src, const C* ws) {
@@ -280,8 +267,8 @@ QUILT_VEC_INLINE void combine_pass(C* __restrict acc, int64_t n, const T* const*
   for (int64_t i = 0; i < n; ++i) {
     C v;
     if constexpr (First) v = Weighted ? w[0] * C(vec::load(s[0][i])) : C(vec::load(s[0][i]));
-    else v = Weighted ? mul_add(w[0], C(vec::load(s[0][i])), acc[i]) : acc[i] + C(vec::load(s[0][i]));
-    for (int j = 1; j < G; ++j) v = Weighted ? mul_add(w[j], C(vec::load(s[j][i])), v) : v + C(vec::load(s[j][i]));
+    else v = Weighted ? vec::mul_add(w[0], C(vec::load(s[0][i])), acc[i]) : acc[i] + C(vec::load(s[0][i]));
+    for (int j = 1; j < G; ++j) v = Weighted ? vec::mul_add(w[j], C(vec::load(s[j][i])), v) : v + C(vec::load(s[j][i]));
     acc[i] = v;
   }
 }

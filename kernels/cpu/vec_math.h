@@ -34,9 +34,16 @@ namespace quilt::kernels::cpu::vec {
 // on AVX-512 CPUs (its default preference), half the width the polynomial can use; on AVX2 the
 // loop runs as two 8-lane halves, on SSE as four.
 
-/// a * b + c, fused where the target has FMA (one rounding), else two roundings.
+/// a * b + c, fused where the target has FMA (one rounding), else two roundings (f32 and f64).
 QUILT_VEC_INLINE float mul_add(float a, float b, float c) {
 #if defined(__FP_FAST_FMAF)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+QUILT_VEC_INLINE double mul_add(double a, double b, double c) {
+#if defined(__FP_FAST_FMA)
   return std::fma(a, b, c);
 #else
   return a * b + c;
