@@ -302,7 +302,7 @@ TEST_CASE("index ops: topk returns sorted largest or smallest values with their 
       {{0, 5}, 2, 1, true}, {{3, 0}, 0, -1, true}, {{}, 1, 0, true}};
   for (const auto& c : cases) {
     const int64_t d = wrap(c.dim, int64_t(c.x.size()));
-    run_op_case({.name = "topk", .inputs = {{c.x}},
+    run_op_case({.name = "topk", .inputs = {{c.x, Gen::distinct}},
                  .op = [&](const V& x) {
                    auto [v, i] = topk(x[0], c.k, c.dim, c.largest);
                    return V{v, i};
@@ -319,7 +319,7 @@ TEST_CASE("index ops: sort and argsort order along any dim, ascending and descen
   for (const auto& c : cases) {
     const int64_t d = wrap(c.dim, int64_t(c.x.size()));
     const int64_t n = c.x.empty() ? 1 : c.x[size_t(d)];
-    run_op_case({.name = "sort", .inputs = {{c.x}},
+    run_op_case({.name = "sort", .inputs = {{c.x, Gen::distinct}},
                  .op = [&](const V& x) {
                    auto [v, i] = sort(x[0], c.dim, c.desc);
                    return V{v, i, argsort(x[0], c.dim, c.desc)};

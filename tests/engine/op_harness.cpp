@@ -137,12 +137,15 @@ Ref permute(const Ref& a, const Shape& dims) {
 
 namespace {
 
-bool floating_gen(Gen g) { return g == Gen::normal || g == Gen::positive || g == Gen::away_from_zero || g == Gen::unit; }
+bool floating_gen(Gen g) {
+  return g == Gen::normal || g == Gen::positive || g == Gen::away_from_zero || g == Gen::unit || g == Gen::distinct;
+}
 
 Tensor draw(const In& in, size_t i, uint64_t seed) {
   const RngKey key(seed, "input" + std::to_string(i));
   switch (in.gen) {
-    case Gen::normal: return randn(in.shape, key, {.dtype = DType::f64});
+    case Gen::normal:
+    case Gen::distinct: return randn(in.shape, key, {.dtype = DType::f64});
     case Gen::positive: return rand(in.shape, key, {.dtype = DType::f64}, 0.5, 2.0);
     case Gen::unit: return rand(in.shape, key, {.dtype = DType::f64});
     case Gen::away_from_zero: {
@@ -153,6 +156,22 @@ Tensor draw(const In& in, size_t i, uint64_t seed) {
     case Gen::mask: return gt(rand(in.shape, key, {.dtype = DType::f64}), scalar_tensor(0.5, {.dtype = DType::f64}));
   }
   return {};
+}
+
+// Spreads the values of the case's Gen::distinct inputs (drawn N(0, 1), contiguous) so that every
+// two of them, within one input or across inputs, are at least kGap apart: sorted together, each
+// value is raised to kGap above the one below it where it is closer.
+void spread_distinct(const OpCase& c, V& x64) {
+  constexpr double kGap = 1e-3;
+  std::vector<std::pair<double, double*>> all;
+  for (size_t i = 0; i < c.inputs.size(); ++i) {
+    if (c.inputs[i].gen != Gen::distinct) continue;
+    double* p = x64[i].data<double>();
+    for (int64_t e = 0; e < x64[i].numel(); ++e) all.emplace_back(p[e], p + e);
+  }
+  std::sort(all.begin(), all.end());
+  for (size_t j = 1; j < all.size(); ++j) all[j].first = std::max(all[j].first, all[j - 1].first + kGap);
+  for (const auto& [v, p] : all) *p = v;
 }
 
 // A copy of t with the same values laid out non-contiguously (transposed or strided storage).
@@ -310,10 +329,9 @@ void run_op_case(const OpCase& c) {
   INFO("op case '", c.name, "' (QUILT_TEST_SEED=", seed, ")");
   V x64;
   R refs;
-  for (size_t i = 0; i < c.inputs.size(); ++i) {
-    x64.push_back(draw(c.inputs[i], i, seed));
-    refs.push_back(Ref::of(x64.back()));
-  }
+  for (size_t i = 0; i < c.inputs.size(); ++i) x64.push_back(draw(c.inputs[i], i, seed));
+  spread_distinct(c, x64);
+  for (const Tensor& x : x64) refs.push_back(Ref::of(x));
   const R want = c.ref(refs);
 
   // 1. forward in f64 and f32

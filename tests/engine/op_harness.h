@@ -65,6 +65,9 @@ enum class Gen {
   unit,            // uniform [0, 1)
   index,           // integers in [0, index_high)
   mask,            // bool, about half true
+  distinct,        // N(0,1), every two values of the case's distinct inputs >= 1e-3 apart (ops whose
+                   // gradient jumps where two values meet: max, min, maximum, sort, topk; a pair
+                   // closer than the finite-difference step would make gradcheck measure the jump)
 };
 
 struct In {
