@@ -1,10 +1,15 @@
 // The caching host allocator: size classes, reuse without a system allocation, the cap on
 // cached bytes (least recently freed blocks go first), trimming, the counters, many threads at
 // once, the out-of-memory error and QUILT_CPU_CACHE_MAX values. Tests use deltas of the
-// process-wide counters, so they hold whatever else the process has allocated.
+// process-wide counters, so they hold whatever else the process has allocated. Also: malloc
+// keeps freed heap memory for the GEMM libraries' per-call buffers (and QUILT_MALLOC_KEEP=0
+// leaves it as glibc sets it).
 #include <doctest/doctest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -281,4 +286,72 @@ TEST_CASE("host allocator: pinned host tensors still allocate, hold data and fre
     CHECK(t.to(Device::cpu(), true).is_same(t));
   }
   CHECK(cpu_memory_stats().allocated == base.allocated);
+}
+
+namespace {
+
+long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
+// Page faults of one malloc of 24 MiB (6,144 pages), written through and freed: the buffer a GEMM
+// library allocates per call. 24 MiB is below glibc's largest mmap threshold and larger than any
+// block this process freed before, so without the engine's setting the second round still maps it
+// afresh (glibc raises its threshold only when such a block is freed).
+long faults_of_one_round() {
+  constexpr size_t kBytes = size_t(24) << 20;
+  const long before = minor_faults();
+  char* p = static_cast<char*>(std::malloc(kBytes));
+  REQUIRE(p != nullptr);
+  std::memset(p, 1, kBytes);
+  asm volatile("" : : "r"(p) : "memory");  // the writes happen
+  std::free(p);
+  return minor_faults() - before;
+}
+
+// True where glibc's malloc is not the one in use (ASan brings its own allocator) or the
+// environment tunes it: the two tests below then have nothing to check.
+bool malloc_env_set() {
+#if defined(__SANITIZE_ADDRESS__)
+  return true;
+#endif
+  for (const char* v : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                        "GLIBC_TUNABLES"})
+    if (std::getenv(v)) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("host allocator: malloc keeps a freed 24 MiB block, so the next one is not faulted in again") {
+  if (malloc_env_set() || std::getenv("QUILT_MALLOC_KEEP")) {
+    MESSAGE("skipped: malloc is not glibc's or is tuned by this environment");
+    return;
+  }
+  (void)Tensor::empty({4});  // the engine's host allocator exists, and with it the setting
+  faults_of_one_round();     // first touch of the heap's pages
+  CHECK(faults_of_one_round() < 256);
+}
+
+TEST_CASE("host allocator: QUILT_MALLOC_KEEP=0 leaves malloc as glibc sets it") {
+  if (const char* keep = std::getenv("QUILT_MALLOC_KEEP"); keep && std::string(keep) == "0") {
+    // The child: glibc's defaults hand the block back, so the second round faults it in again.
+    (void)Tensor::empty({4});
+    faults_of_one_round();
+    CHECK(faults_of_one_round() > 3000);
+    return;
+  }
+  if (malloc_env_set()) {
+    MESSAGE("skipped: malloc is not glibc's or is tuned by this environment");
+    return;
+  }
+  char exe[4096];
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  REQUIRE(n > 0);
+  exe[n] = 0;
+  const std::string cmd = "QUILT_MALLOC_KEEP=0 '" + std::string(exe) +
+                          "' -tc='host allocator: QUILT_MALLOC_KEEP=0 leaves*' > /dev/null 2>&1";
+  CHECK(std::system(cmd.c_str()) == 0);
 }
