@@ -9,10 +9,11 @@
 // read through a transposed view (stacked Linear weights, as models/moe keeps them: "nk") or
 // stored (E, K, N) ("kn"); the baselines read the same storage. Counters: TFLOPs (grouped),
 // dense_TFLOPs, loop_TFLOPs, vs_dense = grouped/dense, vs_loop = grouped/loop (best of the
-// iterations of each). The same in bf16 (f32 accumulate) for the model's nk layout: the engine's
+// iterations of each), faults = page faults per timed grouped call. The same in bf16 (f32 accumulate) for the model's nk layout: the engine's
 // bf16 matmul is the dense and loop baseline there.
 // Then moe_permute + moe_unpermute GB/s against memcpy's in the same run (vs_copy).
 #include <omp.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,6 +34,12 @@ using namespace quilt;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
 
 double seconds_of(const std::function<void()>& f) {
   const auto t0 = Clock::now();
@@ -102,12 +109,18 @@ void BM_grouped_mm(benchmark::State& state, ExpertShape s, int64_t rows, bool sk
     for (size_t e = 0; e < xs.size(); ++e)
       if (xs[e].size(0) > 0) benchmark::DoNotOptimize(matmul(xs[e], ws[e]).data_ptr());
   };
-  grouped(), dense(), loop();  // warm-up: first-touch of outputs, Eigen's blocking
+  // Warm-up, until the steady state a training loop sees: outputs first touched, Eigen's blocking
+  // computed, and the GEMM libraries' per-call packing buffers (oneDNN's are megabytes) settled in
+  // malloc's heaps, which takes a few calls.
+  for (int i = 0; i < 4; ++i) grouped(), dense(), loop();
   // Best of the iterations for each, interleaved: on a shared machine the quietest moment of
   // each is the fairest comparison (a neighbour's burst hurts the fork-join baselines most).
   double tg = 1e30, td = 1e30, tl = 1e30;
+  long faults = 0, calls = 0;  // page faults in the timed grouped calls (0 in the steady state)
   for (auto _ : state) {
+    const long f0 = minor_faults();
     const double g = seconds_of(grouped);
+    faults += minor_faults() - f0, ++calls;
     td = std::min(td, seconds_of(dense));
     tl = std::min(tl, seconds_of(loop));
     tg = std::min(tg, g);
@@ -119,6 +132,7 @@ void BM_grouped_mm(benchmark::State& state, ExpertShape s, int64_t rows, bool sk
   state.counters["loop_TFLOPs"] = flops / tl / 1e12;
   state.counters["vs_dense"] = td / tg;
   state.counters["vs_loop"] = tl / tg;
+  state.counters["faults"] = double(faults) / double(std::max<long>(calls, 1));
   state.counters["experts"] = double(experts);
   state.counters["max_rows"] = double(*std::max_element(counts.begin(), counts.end()));
   state.SetLabel(std::string(s.name) + (skewed ? " zipf" : " balanced") + (nk ? " w(E,N,K)^T" : " w(E,K,N)") + " " +

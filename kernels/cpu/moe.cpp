@@ -72,10 +72,15 @@ Mat<float> widen(const Mat<H>& s, int64_t rows, int64_t cols, std::vector<float>
   return {d, cols, false};
 }
 
-// Per-thread f32 scratch of the 16-bit path.
+// Per-thread f32 scratch of the 16-bit path, kept for the thread's next call (a tile's worth
+// of f32 is megabytes: allocated afresh per call it would be faulted in afresh).
 struct Scratch {
   std::vector<float> a, b, c;
 };
+Scratch& thread_scratch() {
+  thread_local Scratch s;
+  return s;
+}
 
 // c (m, n) = a @ b in T's compute type: directly for f32/f64; for 16-bit into f32 scratch,
 // rounded once: bf16 operands straight to oneDNN's native bf16 GEMM (f32 accumulate) where the
@@ -110,14 +115,19 @@ void gemm_any(int64_t m, int64_t n, int64_t k, const Mat<T>& a, const Mat<T>& b,
 // Forward tiles. A tile of few rows streams its slice of w once (close to memory-bound); if w is
 // row-major, a narrow slice is short runs (nt * 4 bytes every N), so such tiles get wide column
 // ranges, which the prefetchers and DRAM serve best (a transposed w has each column contiguous
-// and streams at any width). A tile of many rows reuses w from cache (compute-bound), so narrower
-// tiles that spread a big group over more threads cost nothing. (Measured on an AVX2 EPYC.)
-constexpr int64_t kMaxRowTile = 256;   // rows of x per tile
+// and streams at any width). A tile of many rows reuses w from cache (compute-bound): it is up
+// to 512 x 512, since every tile packs its blocks of x and w afresh (the library's per-call
+// packing), and 256 x 256 tiles packed each block of a 1024-row expert four times, against two
+// (with random routing over 8 experts, 4096 rows, K 2048, N 768, 2 threads of an AVX-512 EPYC:
+// f32 332 -> 351-356 GFLOP/s, bf16 622-632 -> 685-704). (The row/column rule: an AVX2 EPYC.)
+constexpr int64_t kMaxRowTile = 512;   // rows of x per tile
 constexpr int64_t kManyRows = 192;     // from here on a tile counts as compute-bound
 constexpr int64_t kWideColTile = 1024;  // columns of w per tile below kManyRows rows
-constexpr int64_t kMaxColTile = 256;    // columns of w (and of dy) per tile otherwise
-// Weight-gradient tiles (K rows of dw by columns): about kTileMacs multiply-adds each, enough to
-// amortise packing and the hand-out, and at least kMinDepthTile rows of dw.
+constexpr int64_t kMaxColTile = 512;    // columns of w per tile otherwise
+// Weight-gradient tiles (K rows of dw by columns): up to kGradColTile columns of dy and about
+// kTileMacs multiply-adds each, enough to amortise packing and the hand-out, and at least
+// kMinDepthTile rows of dw.
+constexpr int64_t kGradColTile = 256;
 constexpr int64_t kTileMacs = int64_t(1) << 24;
 constexpr int64_t kMinDepthTile = 128;
 
@@ -151,14 +161,14 @@ void run_items(const std::vector<Item>& items, F&& body) {
   const int threads = int(std::min<int64_t>(omp_in_parallel() ? 1 : omp_get_max_threads(), int64_t(items.size())));
   const int64_t n = int64_t(items.size());
   if (threads == 1) {  // one tile (or one thread): it may use every thread the library has
-    Scratch s;
+    Scratch& s = thread_scratch();
     for (int64_t i = 0; i < n; ++i) body(items[size_t(i)], s);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
     omp_set_num_threads(1);  // this thread's GEMM calls stay single-threaded (see the top)
-    Scratch s;
+    Scratch& s = thread_scratch();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) body(items[size_t(i)], s);
   }
@@ -204,7 +214,7 @@ void grouped_gemm_weight_grad_t(const GroupedGemmWeightGradArgs& g) {
     const int64_t rows = g.offsets[e] - start;
     // An empty group is one tile that writes zeros (a k = 0 GEMM).
     const int64_t depth = std::max<int64_t>(rows, 1);
-    const Split cs = split(g.n, kMaxColTile);
+    const Split cs = split(g.n, kGradColTile);
     const int64_t k_max = std::max(kMinDepthTile, kTileMacs / (depth * cs.piece));
     const Split ks = rows > 0 ? split(g.k, k_max) : Split{1, g.k};
     const Split cs2 = rows > 0 ? cs : Split{1, g.n};
