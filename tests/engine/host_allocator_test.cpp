@@ -355,3 +355,21 @@ TEST_CASE("host allocator: QUILT_MALLOC_KEEP=0 leaves malloc as glibc sets it") 
                           "' -tc='host allocator: QUILT_MALLOC_KEEP=0 leaves*' > /dev/null 2>&1";
   CHECK(std::system(cmd.c_str()) == 0);
 }
+
+TEST_CASE("host allocator: blocks from 2 MiB up start on a 2 MiB boundary (transparent huge pages)") {
+  if (const char* v = std::getenv("QUILT_HUGEPAGES"); v && std::string(v) == "0") {
+    MESSAGE("skipped: QUILT_HUGEPAGES=0");
+    return;
+  }
+  empty_cpu_cache();  // a fresh mapping, not a cached block of another size
+  for (size_t bytes : {2 * kMiB, 3 * kMiB + 12345, 40 * kMiB}) {
+    void* p = host_alloc(bytes);
+    CHECK(reinterpret_cast<uintptr_t>(p) % (2 * kMiB) == 0);
+    std::memset(p, 7, bytes);  // the whole block is mapped and writable
+    CHECK(static_cast<unsigned char*>(p)[bytes - 1] == 7);
+    host_free(p, bytes);
+  }
+  void* small = host_alloc(256 * kKiB);  // below 2 MiB: page-aligned only
+  CHECK(reinterpret_cast<uintptr_t>(small) % 4096 == 0);
+  host_free(small, 256 * kKiB);
+}
