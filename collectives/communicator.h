@@ -2,6 +2,8 @@
 // device tensors staged through host buffers), NCCL (device memory, a communication stream) and
 // an in-process threads backend (N ranks as N threads) for fast unit tests of the higher layers.
 // Every call returns a Work; with async_op = false (the default) it has completed on return.
+// Like the op itself, async_op must be the same on every rank (the MPI backend runs asynchronous
+// collectives in MPI's nonblocking form, which never matches a blocking call of another rank).
 //
 //   init_from_launcher();                         // mpirun / srun / plain ./prog (one rank)
 //   Communicator& comm = world();

@@ -25,11 +25,13 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "collectives/internal.h"
 #include "engine/random.h"
@@ -315,7 +317,7 @@ class MpiCommunicator final : public Communicator {
     }
     auto w = std::make_shared<WorkState>(c.desc, timeout());
     watchdog::watch(w, trace_);
-    exec_.submit(w, [this, c = std::move(c), dbg]() mutable { run(c, dbg); }, async);
+    exec_.submit(w, [this, c = std::move(c), dbg, async]() mutable { run(c, dbg, /*polite=*/async); }, async);
     return w;
   }
 
@@ -329,7 +331,7 @@ class MpiCommunicator final : public Communicator {
     const std::string child = child_name(seq, color);
     exec_.submit(w, [this, c, dbg, color, key, child, result]() mutable {
       Progress p(*trace_, c.desc);
-      if (dbg) debug_check(c);
+      if (dbg) debug_check(c, false);
       MPI_Comm sub = MPI_COMM_NULL;
       QUILT_CHECK_MPI(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub));
       if (sub != MPI_COMM_NULL) *result = create(sub, child, opts_);
@@ -361,7 +363,7 @@ class MpiCommunicator final : public Communicator {
     } leave{*slot_};
     try {
       if (c.desc.delay.count() > 0) std::this_thread::sleep_for(c.desc.delay);
-      run(c, dbg);
+      run(c, dbg, /*polite=*/false);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -371,55 +373,110 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  void debug_check(const OpCall& c) {
+  // The signatures' exchange, in the form of the op that follows (see wait_politely).
+  void debug_check(const OpCall& c, bool polite) {
     std::vector<Signature> all(static_cast<size_t>(size()));
-    QUILT_CHECK_MPI(MPI_Allgather(&c.sig, int(sizeof(Signature)), MPI_BYTE, all.data(), int(sizeof(Signature)),
-                                  MPI_BYTE, comm_));
+    const int n = int(sizeof(Signature));
+    if (polite) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      QUILT_CHECK_MPI(MPI_Iallgather(&c.sig, n, MPI_BYTE, all.data(), n, MPI_BYTE, comm_, &r));
+      wait_politely(r);
+    } else {
+      QUILT_CHECK_MPI(MPI_Allgather(&c.sig, n, MPI_BYTE, all.data(), n, MPI_BYTE, comm_));
+    }
     check_signatures(all, c.desc);
   }
 
-  void run(OpCall& c, bool dbg) {
+  // Waits for `r` without holding a core: MPI_Test in a loop, then short sleeps growing to
+  // kMaxNap between tests. For asynchronous collectives, which run on the op executor's thread:
+  // a blocking MPI call there polls the whole time it waits for its peers (FSDP's prefetched
+  // gathers wait for a whole layer of compute), taking CPU from the ranks' compute threads
+  // wherever ranks share cores. MPI progress is global, so the caller's own MPI calls keep moving
+  // this op between tests too. MPI never matches a nonblocking collective with a blocking one,
+  // so the form follows async_op, which every rank passes alike (see communicator.h), never
+  // where the op happens to run (a synchronous op queued behind asynchronous ones stays blocking).
+  static void wait_politely(MPI_Request& r) {
+    constexpr auto kMaxNap = std::chrono::microseconds(200);
+    auto nap = std::chrono::microseconds(5);
+    for (int polls = 0;; ++polls) {
+      int done = 0;
+      QUILT_CHECK_MPI(MPI_Test(&r, &done, MPI_STATUS_IGNORE));
+      if (done) return;
+      if (polls < 200) continue;
+      std::this_thread::sleep_for(nap);
+      nap = std::min(kMaxNap, nap * 2);
+    }
+  }
+
+  // `polite` (asynchronous ops): issue the nonblocking form and wait_politely; otherwise the
+  // blocking call, where MPI's own wait is the fastest.
+  void run(OpCall& c, bool dbg, bool polite) {
     Progress p(*trace_, c.desc);
-    if (dbg) debug_check(c);
+    if (dbg) debug_check(c, polite);
     const OpDesc& d = c.desc;
     const DType dt = d.dtype;
     const MPI_Datatype type = mpi_type(dt);
     void* out = c.out.defined() ? c.out.data_ptr() : nullptr;
     const void* in = c.in.is_same(c.out) ? out : c.in.defined() ? c.in.data_ptr() : nullptr;  // in place: one lookup
+    MPI_Request req = MPI_REQUEST_NULL;
+    MPI_Request* const r = polite ? &req : nullptr;  // the nonblocking forms write here
     switch (d.kind) {
-      case OpKind::all_reduce:
-        QUILT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, out, to_count(c.out.numel(), d), type, mpi_op(dt, *d.rop), comm_));
-        if (*d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
+      case OpKind::all_reduce: {
+        const int n = to_count(c.out.numel(), d);
+        if (r) QUILT_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, out, n, type, mpi_op(dt, *d.rop), comm_, r));
+        else QUILT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, out, n, type, mpi_op(dt, *d.rop), comm_));
         break;
-      case OpKind::broadcast:
-        QUILT_CHECK_MPI(MPI_Bcast(out, to_count(c.out.numel(), d), type, d.root, comm_));
+      }
+      case OpKind::broadcast: {
+        const int n = to_count(c.out.numel(), d);
+        if (r) QUILT_CHECK_MPI(MPI_Ibcast(out, n, type, d.root, comm_, r));
+        else QUILT_CHECK_MPI(MPI_Bcast(out, n, type, d.root, comm_));
         break;
+      }
       case OpKind::reduce:
         if (rank() == d.root) {
-          QUILT_CHECK_MPI(MPI_Reduce(MPI_IN_PLACE, out, to_count(c.out.numel(), d), type, mpi_op(dt, *d.rop), d.root, comm_));
-          if (*d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
+          const int n = to_count(c.out.numel(), d);
+          if (r) QUILT_CHECK_MPI(MPI_Ireduce(MPI_IN_PLACE, out, n, type, mpi_op(dt, *d.rop), d.root, comm_, r));
+          else QUILT_CHECK_MPI(MPI_Reduce(MPI_IN_PLACE, out, n, type, mpi_op(dt, *d.rop), d.root, comm_));
         } else {
-          QUILT_CHECK_MPI(MPI_Reduce(in, nullptr, to_count(c.in.numel(), d), type, mpi_op(dt, *d.rop), d.root, comm_));
+          const int n = to_count(c.in.numel(), d);
+          if (r) QUILT_CHECK_MPI(MPI_Ireduce(in, nullptr, n, type, mpi_op(dt, *d.rop), d.root, comm_, r));
+          else QUILT_CHECK_MPI(MPI_Reduce(in, nullptr, n, type, mpi_op(dt, *d.rop), d.root, comm_));
         }
         break;
-      case OpKind::all_gather:
-        QUILT_CHECK_MPI(MPI_Allgather(in, to_count(c.in.numel(), d), type, out, to_count(c.in.numel(), d), type, comm_));
+      case OpKind::all_gather: {
+        const int n = to_count(c.in.numel(), d);
+        if (r) QUILT_CHECK_MPI(MPI_Iallgather(in, n, type, out, n, type, comm_, r));
+        else QUILT_CHECK_MPI(MPI_Allgather(in, n, type, out, n, type, comm_));
         break;
+      }
       case OpKind::all_gather_v: {
         const std::vector<int> counts = to_counts(c.in_counts, d);
         const std::vector<int> displs = displacements(counts, d);
-        QUILT_CHECK_MPI(MPI_Allgatherv(in, counts[size_t(rank())], type, out, counts.data(), displs.data(), type, comm_));
+        const int n = counts[size_t(rank())];
+        if (r) {
+          QUILT_CHECK_MPI(MPI_Iallgatherv(in, n, type, out, counts.data(), displs.data(), type, comm_, r));
+          wait_politely(*r);  // counts and displs must outlive the request
+        } else {
+          QUILT_CHECK_MPI(MPI_Allgatherv(in, n, type, out, counts.data(), displs.data(), type, comm_));
+        }
         break;
       }
-      case OpKind::reduce_scatter:
-        QUILT_CHECK_MPI(MPI_Reduce_scatter_block(in, out, to_count(c.out.numel(), d), type, mpi_op(dt, *d.rop), comm_));
-        if (*d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
+      case OpKind::reduce_scatter: {
+        const int n = to_count(c.out.numel(), d);
+        if (r) QUILT_CHECK_MPI(MPI_Ireduce_scatter_block(in, out, n, type, mpi_op(dt, *d.rop), comm_, r));
+        else QUILT_CHECK_MPI(MPI_Reduce_scatter_block(in, out, n, type, mpi_op(dt, *d.rop), comm_));
         break;
+      }
       case OpKind::reduce_scatter_v: {
         const std::vector<int> counts = to_counts(c.in_counts, d);
         displacements(counts, d);  // checks the total fits an int
-        QUILT_CHECK_MPI(MPI_Reduce_scatter(in, out, counts.data(), type, mpi_op(dt, *d.rop), comm_));
-        if (*d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
+        if (r) {
+          QUILT_CHECK_MPI(MPI_Ireduce_scatter(in, out, counts.data(), type, mpi_op(dt, *d.rop), comm_, r));
+          wait_politely(*r);  // counts must outlive the request
+        } else {
+          QUILT_CHECK_MPI(MPI_Reduce_scatter(in, out, counts.data(), type, mpi_op(dt, *d.rop), comm_));
+        }
         break;
       }
       case OpKind::all_to_all: {
@@ -429,8 +486,9 @@ class MpiCommunicator final : public Communicator {
         // MPI_Alltoall on some ranks with MPI_Alltoallv on others never completes. Counts and
         // displacements live on the stack up to 64 ranks.
         if (c.even_splits) {
-          QUILT_CHECK_MPI(MPI_Alltoall(in, to_count(c.in_counts.at(0), d), type, out, to_count(c.out_counts.at(0), d),
-                                       type, comm_));
+          const int ns = to_count(c.in_counts.at(0), d), nr = to_count(c.out_counts.at(0), d);
+          if (r) QUILT_CHECK_MPI(MPI_Ialltoall(in, ns, type, out, nr, type, comm_, r));
+          else QUILT_CHECK_MPI(MPI_Alltoall(in, ns, type, out, nr, type, comm_));
           break;
         }
         const size_t n = c.in_counts.size();
@@ -444,15 +502,26 @@ class MpiCommunicator final : public Communicator {
           sat += c.in_counts[i];
           rat += c.out_counts[i];
         }
-        QUILT_CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), type, out, rc.data(), rd.data(), type, comm_));
+        if (r) {
+          QUILT_CHECK_MPI(MPI_Ialltoallv(in, sc.data(), sd.data(), type, out, rc.data(), rd.data(), type, comm_, r));
+          wait_politely(*r);  // the counts must outlive the request
+        } else {
+          QUILT_CHECK_MPI(MPI_Alltoallv(in, sc.data(), sd.data(), type, out, rc.data(), rd.data(), type, comm_));
+        }
         break;
       }
       case OpKind::barrier:
-        QUILT_CHECK_MPI(MPI_Barrier(comm_));
+        if (r) QUILT_CHECK_MPI(MPI_Ibarrier(comm_, r));
+        else QUILT_CHECK_MPI(MPI_Barrier(comm_));
         break;
       default:
         fail("[mpi] unexpected op ", op_kind_name(d.kind));
     }
+    if (req != MPI_REQUEST_NULL) wait_politely(req);
+    // avg: the sum divided by the ranks, where this rank holds a reduced result.
+    const bool reduced_here = d.kind == OpKind::all_reduce || d.kind == OpKind::reduce_scatter ||
+                              d.kind == OpKind::reduce_scatter_v || (d.kind == OpKind::reduce && rank() == d.root);
+    if (reduced_here && d.rop && *d.rop == ReduceOp::avg) divide_by(dt, out, c.out.numel(), size());
   }
 
   std::shared_ptr<WorkState> start_p2p(OpCall& c) {

@@ -2,10 +2,14 @@
 // its failures with "[rank N]", and the exit status is non-zero when any rank failed.
 //
 //   mpiexec -n 4 collectives_mpi_suite [--large N] [--debug]
+#include <sys/resource.h>
+
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "collectives/launch.h"
 #include "engine/engine.h"
@@ -62,6 +66,39 @@ int main(int argc, char** argv) {
                                           "', got: ", got));
     }
   }
+
+  // An asynchronous collective that waits for a late peer does not hold a core while it waits
+  // (MPI's nonblocking form, tested with naps in between): rank 0 issues it and sleeps 300 ms
+  // outside MPI while the others join only after 300 ms; the process's CPU time over that
+  // stretch stays far below the 300 ms a thread polling all along would take. With the MPI
+  // thread level below multiple, asynchronous ops run on the caller's thread: nothing to check.
+  if (w.size() >= 2 && info.mpi_thread_level == "multiple") {
+    auto cpu_ms = [] {
+      rusage u{};
+      getrusage(RUSAGE_SELF, &u);
+      return (double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3) + double(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e3;
+    };
+    const auto late = std::chrono::milliseconds(300);
+    Tensor t = full({4}, double(w.rank() + 1));
+    const double expect = double(w.size() * (w.size() + 1) / 2);
+    if (w.rank() == 0) {
+      const double before = cpu_ms();
+      Work pending = w.all_reduce(t, ReduceOp::sum, /*async_op=*/true);
+      std::this_thread::sleep_for(late);
+      const double used = cpu_ms() - before;
+      pending.wait();
+      if (used > 60.0)
+        failures.push_back(detail::concat("[rank 0] an asynchronous all_reduce waiting ", late.count(),
+                                          " ms for its peers took ", used, " ms of CPU (expected < 60)"));
+    } else {
+      std::this_thread::sleep_for(late);
+      w.all_reduce(t, ReduceOp::sum, /*async_op=*/true).wait();
+    }
+    if (t.to_vector() != std::vector<double>(4, expect))
+      failures.push_back(detail::concat("[rank ", w.rank(), "] the late asynchronous all_reduce gave ", t.to_vector()[0],
+                                        ", expected ", expect));
+  }
+
   for (const std::string& f : failures) std::fprintf(stderr, "%s\n", f.c_str());  // already "[rank N] ..."
 
   Tensor bad = full({1}, double(failures.size()), {.dtype = DType::i64});
