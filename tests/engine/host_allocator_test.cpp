@@ -313,8 +313,16 @@ long faults_of_one_round() {
 
 // True where glibc's malloc is not the one in use (ASan brings its own allocator) or the
 // environment tunes it: the two tests below then have nothing to check.
+#if defined(__SANITIZE_ADDRESS__)  // gcc
+#define QUILT_TEST_ASAN 1
+#elif defined(__has_feature)  // clang
+#if __has_feature(address_sanitizer)
+#define QUILT_TEST_ASAN 1
+#endif
+#endif
+
 bool malloc_env_set() {
-#if defined(__SANITIZE_ADDRESS__)
+#ifdef QUILT_TEST_ASAN
   return true;
 #endif
   for (const char* v : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
