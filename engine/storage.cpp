@@ -53,6 +53,12 @@ int64_t default_cache_limit() {
 // Unless the user tuned malloc (a MALLOC_*_ variable, glibc.malloc tunables) or set
 // QUILT_MALLOC_KEEP=0, requests below 32 MiB (glibc's largest threshold) come from the heaps and
 // up to 256 MiB free at a heap's top stays mapped, so buffers freed by one call serve the next.
+// True when the environment variable `name` is "0" (an opt-out of a default).
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "0") == 0;
+}
+
 bool malloc_tuned_by_user() {
   for (const char* v : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"})
     if (std::getenv(v)) return true;
@@ -62,8 +68,7 @@ bool malloc_tuned_by_user() {
 
 void keep_malloc_heaps() {
 #ifdef __GLIBC__
-  const char* keep = std::getenv("QUILT_MALLOC_KEEP");
-  if ((keep && std::strcmp(keep, "0") == 0) || malloc_tuned_by_user()) return;
+  if (env_off("QUILT_MALLOC_KEEP") || malloc_tuned_by_user()) return;
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
 #endif
@@ -213,10 +218,7 @@ class CpuAllocator final : public Allocator {
   // and large GEMM operands need 512x fewer TLB entries. QUILT_HUGEPAGES=0 leaves 4 KiB pages.
   static void* map_pages(size_t size) {
     constexpr size_t kHuge = size_t(2) << 20;
-    static const bool huge = [] {
-      const char* v = std::getenv("QUILT_HUGEPAGES");
-      return !(v && std::strcmp(v, "0") == 0);
-    }();
+    static const bool huge = !env_off("QUILT_HUGEPAGES");
     if (!huge || size < kHuge) {
       void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       return p == MAP_FAILED ? nullptr : p;

@@ -9,8 +9,9 @@
 // read through a transposed view (stacked Linear weights, as models/moe keeps them: "nk") or
 // stored (E, K, N) ("kn"); the baselines read the same storage. Counters: TFLOPs (grouped),
 // dense_TFLOPs, loop_TFLOPs, vs_dense = grouped/dense, vs_loop = grouped/loop (best of the
-// iterations of each), faults = page faults per timed grouped call. The same in bf16 (f32 accumulate) for the model's nk layout: the engine's
-// bf16 matmul is the dense and loop baseline there.
+// iterations of each), faults = page faults per timed grouped call. The same in bf16 (f32
+// accumulate) for the model's nk layout: the engine's bf16 matmul is the dense and loop baseline
+// there.
 // Then moe_permute + moe_unpermute GB/s against memcpy's in the same run (vs_copy).
 #include <omp.h>
 #include <sys/resource.h>

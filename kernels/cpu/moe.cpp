@@ -266,8 +266,9 @@ void permute_t(int64_t n, int64_t h, int64_t k, const int64_t* order, const T* x
 
 // acc[i] = (acc[i] +) sum over j < G of ws[j] * src[j][i] (or src[j][i] unweighted), in
 // ascending j: the first term of the row a product, every later one a vec::mul_add into the
-// running sum (named, so the bits do not depend on how the compiler contracts). All G rows are read in one pass and the sum kept in a register, so the k rows of a token
-// stream in together and acc is written once per pass, not once per row.
+// running sum (named, so the bits do not depend on how the compiler contracts). All G rows are
+// read in one pass and the sum kept in a register, so the k rows of a token stream in together
+// and acc is written once per pass, not once per row.
 template <int G, bool First, bool Weighted, class T, class C>
 QUILT_VEC_INLINE void combine_pass(C* __restrict acc, int64_t n, const T* const* src, const C* ws) {
   const T* s[G];
