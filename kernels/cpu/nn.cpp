@@ -410,6 +410,10 @@ void rms_bwd16(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, co
         const T* __restrict xr = x + r * cols;
         const T* __restrict hr = gh ? gh + r * cols : nullptr;
         T* __restrict orow = gx + r * cols;
+        // f32: the next row's g and x (and g_h) are fetched during this row's second pass, a
+        // prefetch per cache line (2048 x 512 and 16384 x 1024, four alternating runs on an
+        // AVX-512 EPYC: 1.14-1.15x; in bf16 the same read 0.91-0.98x, so bf16 goes without).
+        const bool more = std::is_same_v<T, float> && r + 1 < rows;
         const float rs = rstd[r];
         const float dot = row_sum16(
             cols, [&](int64_t i, F32x16& a) { a += load16(gr + i) * load16(wp + i) * load16(xr + i); },
@@ -417,6 +421,11 @@ void rms_bwd16(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, co
         const float k = rs * rs * rs * dot / float(cols);
         int64_t i = 0;
         for (; i + 16 <= cols; i += 16) {
+          if (more) {
+            _mm_prefetch(reinterpret_cast<const char*>(gr + cols + i), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(xr + cols + i), _MM_HINT_T0);
+            if (hr) _mm_prefetch(reinterpret_cast<const char*>(hr + cols + i), _MM_HINT_T0);
+          }
           const F32x16 gv = load16(gr + i), xv = load16(xr + i);
           F32x16 o = rs * (gv * load16(wp + i)) - k * xv;
           if (hr) o += load16(hr + i);
