@@ -451,6 +451,27 @@ Tensor Communicator::prepare_output(const Tensor& t, bool read_too, std::vector<
   return tmp;
 }
 
+void Communicator::bind_in(OpCall& c, const Tensor& t, const Tensor& out, const char* op) const {
+  if (overlaps(t, out)) {
+    c.in = prepare_input(t.clone(), op);
+  } else if (usable_as_is(t)) {
+    c.in = detail::borrow(t);
+    c.in_owner = &t;
+  } else {
+    c.in = prepare_input(t, op);
+  }
+}
+
+void Communicator::bind_out(OpCall& c, const Tensor& t, bool read_too,
+                            std::vector<std::function<void()>>& copy_back) const {
+  if (usable_as_is(t)) {
+    c.out = detail::borrow(t);
+    c.out_owner = &t;
+  } else {
+    c.out = prepare_output(t, read_too, copy_back);
+  }
+}
+
 namespace {
 thread_local const CollectiveObserver* t_observer = nullptr;
 }  // namespace
@@ -466,6 +487,7 @@ const CollectiveObserver* detail::current_collective_observer() { return t_obser
 
 Work Communicator::launch(OpCall&& call, std::vector<std::function<void()>>&& copy_back, bool async_op) {
   call.async = async_op;
+  if (async_op) call.own();  // it outlives this call (a synchronous op is waited for below)
   // logging.trace: the collective from issue to completion (to issue only when asynchronous).
   trace::Scope scope;
   if (trace::enabled()) {
@@ -507,7 +529,9 @@ Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
   OpCall c = begin(int(OpKind::all_reduce), t, true);
   c.desc.rop = op;
   std::vector<std::function<void()>> back;
-  c.in = c.out = prepare_output(t, true, back);
+  bind_out(c, t, true, back);
+  c.in = c.out;
+  c.in_owner = c.out_owner;
   if (signs()) c.sig = make_signature(c, t, false);
   return launch(std::move(c), std::move(back), async_op);
 }
@@ -518,7 +542,9 @@ Work Communicator::broadcast(const Tensor& t, int root, bool async_op) {
   OpCall c = begin(int(OpKind::broadcast), t, true);
   c.desc.root = root;
   std::vector<std::function<void()>> back;
-  c.in = c.out = prepare_output(t, rank() == root, back);
+  bind_out(c, t, rank() == root, back);
+  c.in = c.out;
+  c.in_owner = c.out_owner;
   if (signs()) c.sig = make_signature(c, t, false);
   return launch(std::move(c), std::move(back), async_op);
 }
@@ -545,8 +571,8 @@ Work Communicator::all_gather(const Tensor& out, const Tensor& in, bool async_op
               out.numel(), " elements) cannot hold ", size(), " inputs of shape ", in.shape(), " on ", name_);
   OpCall c = begin(int(OpKind::all_gather), in, true);
   std::vector<std::function<void()>> back;
-  c.out = prepare_output(out, false, back);
-  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_gather");
+  bind_out(c, out, false, back);
+  bind_in(c, in, out, "all_gather");
   if (signs()) c.sig = make_signature(c, in, false);
   return launch(std::move(c), std::move(back), async_op);
 }
@@ -567,8 +593,8 @@ Work Communicator::all_gather_v(const Tensor& out, const Tensor& in, const std::
   OpCall c = begin(int(OpKind::all_gather_v), in, true);
   const int64_t row = row_numel(in);
   std::vector<std::function<void()>> back;
-  c.out = prepare_output(out, false, back);
-  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_gather_v");
+  bind_out(c, out, false, back);
+  bind_in(c, in, out, "all_gather_v");
   for (int64_t r : rows) c.in_counts.push_back(r * row);
   if (signs()) c.sig = make_signature(c, in, true);
   if (signs()) c.sig.extra_hash = hash_counts(rows);
@@ -585,8 +611,8 @@ Work Communicator::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp 
   OpCall c = begin(int(OpKind::reduce_scatter), out, true);
   c.desc.rop = op;
   std::vector<std::function<void()>> back;
-  c.out = prepare_output(out, false, back);
-  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "reduce_scatter");
+  bind_out(c, out, false, back);
+  bind_in(c, in, out, "reduce_scatter");
   if (signs()) c.sig = make_signature(c, out, false);
   return launch(std::move(c), std::move(back), async_op);
 }
@@ -611,8 +637,8 @@ Work Communicator::reduce_scatter_v(const Tensor& out, const Tensor& in, const s
   c.desc.rop = op;
   const int64_t row = row_numel(in);
   std::vector<std::function<void()>> back;
-  c.out = prepare_output(out, false, back);
-  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "reduce_scatter_v");
+  bind_out(c, out, false, back);
+  bind_in(c, in, out, "reduce_scatter_v");
   for (int64_t r : rows) c.in_counts.push_back(r * row);
   if (signs()) c.sig = make_signature(c, out, true);
   if (signs()) c.sig.extra_hash = hash_counts(rows);
@@ -648,8 +674,8 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
   std::vector<int64_t> ic = counts_of(in_splits, in, "input");
   OpCall c = begin(int(OpKind::all_to_all), in, true);
   std::vector<std::function<void()>> back;
-  c.out = prepare_output(out, false, back);
-  c.in = prepare_input(overlaps(in, out) ? in.clone() : in, "all_to_all_single");
+  bind_out(c, out, false, back);
+  bind_in(c, in, out, "all_to_all_single");
   c.in_counts = std::move(ic);
   c.out_counts = std::move(oc);
   c.even_splits = out_splits.empty() && in_splits.empty();
@@ -687,7 +713,8 @@ Work Communicator::batch_p2p(const std::vector<P2POp>& ops, bool async_op) {
   const bool single = ops.size() == 1;
   const bool is_send = ops[0].kind == P2POp::Kind::send;
   OpKind kind = single ? (is_send ? OpKind::send : OpKind::recv) : OpKind::batch_p2p;
-  OpCall c = begin(int(kind), single ? ops[0].tensor : Tensor(), false);
+  static const Tensor kNone;
+  OpCall c = begin(int(kind), single ? ops[0].tensor : kNone, false);
   c.desc.root = single ? ops[0].peer : int(ops.size());
   c.desc.tag = single ? ops[0].tag : 0;
   std::vector<std::function<void()>> back;
@@ -697,7 +724,12 @@ Work Communicator::batch_p2p(const std::vector<P2POp>& ops, bool async_op) {
     item.is_send = op.kind == P2POp::Kind::send;
     item.peer = op.peer;
     item.tag = op.tag;
-    item.tensor = item.is_send ? prepare_input(op.tensor, "send") : prepare_output(op.tensor, false, back);
+    if (usable_as_is(op.tensor)) {
+      item.tensor = detail::borrow(op.tensor);
+      item.owner = &op.tensor;
+    } else {
+      item.tensor = item.is_send ? prepare_input(op.tensor, "send") : prepare_output(op.tensor, false, back);
+    }
     c.p2p.push_back(std::move(item));
   }
   return launch(std::move(c), std::move(back), async_op);

@@ -104,15 +104,28 @@ void check_signatures(const std::vector<Signature>& all, const OpDesc& d);
 /// One transfer of a batch (also used for single send/recv).
 struct P2PItem {
   bool is_send = true;
-  Tensor tensor;  // contiguous, backend memory
+  Tensor tensor;                   // contiguous, backend memory
+  const Tensor* owner = nullptr;   // the caller's tensor `tensor` is borrowed from, if it is
   int peer = 0;
   int tag = 0;
 };
 
+/// A handle on t's data that holds no reference: copying or dropping it costs no atomic
+/// operation (a shared_ptr's reference count is a locked instruction, tens of nanoseconds on some
+/// machines, and a small collective copied its tensors' handles four to six times). Valid while t
+/// lives; OpCall::own turns it into a real reference.
+inline Tensor borrow(const Tensor& t) {
+  return Tensor(std::shared_ptr<TensorImpl>(std::shared_ptr<TensorImpl>(), t.impl_ptr().get()));
+}
+
 /// A validated operation as the backends receive it: contiguous tensors in the backend's memory.
+/// `in` and `out` may be borrowed from the caller's tensors (see borrow): a backend that keeps the
+/// call past start() (a queue, an asynchronous op, a stream) calls own() first.
 struct OpCall {
   OpDesc desc;
   Tensor in, out;                    // in-place ops: in and out are the same tensor
+  const Tensor* in_owner = nullptr;  // the caller's tensor `in` is borrowed from, if it is
+  const Tensor* out_owner = nullptr;
   std::vector<int64_t> in_counts;    // elements sent to each rank (all_to_all), per-rank sizes of v forms
                                      // (empty for all_gather and reduce_scatter: equal sizes)
   std::vector<int64_t> out_counts;   // elements received from each rank (all_to_all)
@@ -121,6 +134,17 @@ struct OpCall {
   int color = -1, key = 0;           // split
   bool async = false;
   Signature sig;                     // filled when signatures are checked (debug mode, threads backend)
+
+  /// Makes borrowed `in`, `out` and p2p tensors real references, so the call may outlive the caller's frame.
+  void own() {
+    if (in_owner) in = *in_owner;
+    if (out_owner) out = *out_owner;
+    in_owner = out_owner = nullptr;
+    for (P2PItem& it : p2p) {
+      if (it.owner) it.tensor = *it.owner;
+      it.owner = nullptr;
+    }
+  }
 };
 
 /// The call record of split(color, key) #seq on communicator `comm` as seen by `rank`.

@@ -205,6 +205,7 @@ class ThreadsCommunicator final : public Communicator {
  protected:
   bool checks_every_call() const override { return true; }
   std::shared_ptr<WorkState> start(OpCall&& c) override {
+    c.own();  // queued on the executor, or posted for peers to read
     if (!is_collective(c.desc.kind)) return start_p2p(c);
     // The equal-size forms arrive without per-rank counts; the copy loops below use them.
     if (c.desc.kind == OpKind::all_gather) c.in_counts.assign(size_t(size()), c.in.numel());

@@ -315,6 +315,7 @@ class MpiCommunicator final : public Communicator {
       run_inline(c, dbg);
       return nullptr;  // complete
     }
+    c.own();  // queued on the executor: it may outlive the caller's frame (a timed-out wait)
     auto w = std::make_shared<WorkState>(c.desc, timeout());
     watchdog::watch(w, trace_);
     exec_.submit(w, [this, c = std::move(c), dbg, async]() mutable { run(c, dbg, /*polite=*/async); }, async);
@@ -537,6 +538,7 @@ class MpiCommunicator final : public Communicator {
       run_p2p_inline(c);
       return nullptr;
     }
+    c.own();  // the work holds the buffers until its requests complete
     auto w = std::make_shared<MpiP2PWork>(c.desc, timeout());
     w->use_mpi_from_any_thread = g().multiple;
     for (P2PItem& it : c.p2p) {

@@ -374,6 +374,30 @@ void async_cases(const Ctx& c) {
       for (double v : pattern_vec(q, 5, DType::i32)) want.push_back(v);
     expect(c, "async all_gather", g, want);
   });
+  // Synchronous ops borrow the caller's tensors without a reference (OpCall::own); an
+  // asynchronous one must hold them, since the caller's handles may be gone before wait().
+  guarded(c, "an async op keeps its tensors after the caller drops every handle to them", [&] {
+    Tensor view, gathered;
+    Work reduce, gather;
+    {
+      Tensor t = make(c, pattern_vec(c.rank, 17, DType::f32), {17}, DType::f32);
+      Tensor g = make(c, std::vector<double>(static_cast<size_t>(2 * c.world), 0.0), {2 * c.world}, DType::f32);
+      view = t.narrow(0, 0, 17);  // shares the storage, not t's handle
+      gathered = g.narrow(0, 0, 2 * c.world);
+      reduce = c.comm.all_reduce(t, ReduceOp::sum, /*async_op=*/true);
+      gather = c.comm.all_gather(g, make(c, pattern_vec(c.rank, 2, DType::f32), {2}, DType::f32), true);
+    }
+    reduce.wait();
+    gather.wait();
+    std::vector<double> want(17, 0.0), want_g;
+    for (int q = 0; q < c.world; ++q) {
+      const auto p = pattern_vec(q, 17, DType::f32);
+      for (size_t i = 0; i < 17; ++i) want[i] += p[i];
+      for (double v : pattern_vec(q, 2, DType::f32)) want_g.push_back(v);
+    }
+    expect(c, "async all_reduce of a dropped tensor", view, want);
+    expect(c, "async all_gather into a dropped tensor", gathered, want_g);
+  });
 }
 
 void subgroup_cases(const Ctx& c) {
