@@ -4,7 +4,7 @@
 set -euo pipefail
 build=${1:-build}
 min_time=${QUILT_BENCH_MIN_TIME:-0.3}
-for b in matmul_bench elementwise_bench nn_bench attention_bench; do
+for b in peak_bench matmul_bench elementwise_bench nn_bench fused_bench attention_bench; do
   echo "== $b"
   "$build/bench/$b" --benchmark_min_time="$min_time"
 done
