@@ -451,25 +451,28 @@ Tensor Communicator::prepare_output(const Tensor& t, bool read_too, std::vector<
   return tmp;
 }
 
+bool Communicator::borrow_into(Tensor& slot, const Tensor*& owner, const Tensor& t) const {
+  if (!usable_as_is(t)) return false;
+  slot = detail::borrow(t);
+  owner = &t;
+  return true;
+}
+
 void Communicator::bind_in(OpCall& c, const Tensor& t, const Tensor& out, const char* op) const {
-  if (overlaps(t, out)) {
-    c.in = prepare_input(t.clone(), op);
-  } else if (usable_as_is(t)) {
-    c.in = detail::borrow(t);
-    c.in_owner = &t;
-  } else {
-    c.in = prepare_input(t, op);
-  }
+  if (overlaps(t, out)) c.in = prepare_input(t.clone(), op);
+  else if (!borrow_into(c.in, c.in_owner, t)) c.in = prepare_input(t, op);
 }
 
 void Communicator::bind_out(OpCall& c, const Tensor& t, bool read_too,
                             std::vector<std::function<void()>>& copy_back) const {
-  if (usable_as_is(t)) {
-    c.out = detail::borrow(t);
-    c.out_owner = &t;
-  } else {
-    c.out = prepare_output(t, read_too, copy_back);
-  }
+  if (!borrow_into(c.out, c.out_owner, t)) c.out = prepare_output(t, read_too, copy_back);
+}
+
+void Communicator::bind_in_place(OpCall& c, const Tensor& t, bool read_too,
+                                 std::vector<std::function<void()>>& copy_back) const {
+  bind_out(c, t, read_too, copy_back);
+  c.in = c.out;
+  c.in_owner = c.out_owner;
 }
 
 namespace {
@@ -529,9 +532,7 @@ Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
   OpCall c = begin(int(OpKind::all_reduce), t, true);
   c.desc.rop = op;
   std::vector<std::function<void()>> back;
-  bind_out(c, t, true, back);
-  c.in = c.out;
-  c.in_owner = c.out_owner;
+  bind_in_place(c, t, true, back);
   if (signs()) c.sig = make_signature(c, t, false);
   return launch(std::move(c), std::move(back), async_op);
 }
@@ -542,9 +543,7 @@ Work Communicator::broadcast(const Tensor& t, int root, bool async_op) {
   OpCall c = begin(int(OpKind::broadcast), t, true);
   c.desc.root = root;
   std::vector<std::function<void()>> back;
-  bind_out(c, t, rank() == root, back);
-  c.in = c.out;
-  c.in_owner = c.out_owner;
+  bind_in_place(c, t, rank() == root, back);
   if (signs()) c.sig = make_signature(c, t, false);
   return launch(std::move(c), std::move(back), async_op);
 }
@@ -724,12 +723,8 @@ Work Communicator::batch_p2p(const std::vector<P2POp>& ops, bool async_op) {
     item.is_send = op.kind == P2POp::Kind::send;
     item.peer = op.peer;
     item.tag = op.tag;
-    if (usable_as_is(op.tensor)) {
-      item.tensor = detail::borrow(op.tensor);
-      item.owner = &op.tensor;
-    } else {
+    if (!borrow_into(item.tensor, item.owner, op.tensor))
       item.tensor = item.is_send ? prepare_input(op.tensor, "send") : prepare_output(op.tensor, false, back);
-    }
     c.p2p.push_back(std::move(item));
   }
   return launch(std::move(c), std::move(back), async_op);

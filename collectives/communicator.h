@@ -190,10 +190,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   bool signs() const { return debug_ || checks_every_call(); }
   Tensor prepare_input(const Tensor& t, const char* op) const;
   Tensor prepare_output(const Tensor& t, bool read_too, std::vector<std::function<void()>>& copy_back) const;
-  // c.in / c.out: `t` borrowed where the backend can use it as it is, else prepare_input /
-  // prepare_output's copy. bind_in copies an input that overlaps `out` first.
+  // slot = `t` borrowed (owner = &t) where the backend can use it as it is; false otherwise.
+  bool borrow_into(Tensor& slot, const Tensor*& owner, const Tensor& t) const;
+  // c.in / c.out: borrowed, else prepare_input / prepare_output's copy. bind_in copies an input
+  // that overlaps `out` first; bind_in_place makes in and out the same tensor.
   void bind_in(detail::OpCall& c, const Tensor& t, const Tensor& out, const char* op) const;
   void bind_out(detail::OpCall& c, const Tensor& t, bool read_too, std::vector<std::function<void()>>& copy_back) const;
+  void bind_in_place(detail::OpCall& c, const Tensor& t, bool read_too,
+                     std::vector<std::function<void()>>& copy_back) const;
   void check_root(int root, const char* op, const char* what) const;
 
   std::string backend_, name_;

@@ -53,17 +53,17 @@ int64_t default_cache_limit() {
 // Unless the user tuned malloc (a MALLOC_*_ variable, glibc.malloc tunables) or set
 // QUILT_MALLOC_KEEP=0, requests below 32 MiB (glibc's largest threshold) come from the heaps and
 // up to 256 MiB free at a heap's top stays mapped, so buffers freed by one call serve the next.
-// True when the environment variable `name` is "0" (an opt-out of a default).
-bool env_off(const char* name) {
-  const char* v = std::getenv(name);
-  return v && std::strcmp(v, "0") == 0;
-}
-
 bool malloc_tuned_by_user() {
   for (const char* v : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"})
     if (std::getenv(v)) return true;
   const char* t = std::getenv("GLIBC_TUNABLES");
   return t && std::strstr(t, "glibc.malloc.");
+}
+
+// True when the environment variable `name` is "0" (an opt-out of a default).
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "0") == 0;
 }
 
 void keep_malloc_heaps() {

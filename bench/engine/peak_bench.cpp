@@ -40,9 +40,7 @@ float lane_sum(V v) {
   for (float x : f) s += x;
   return s;
 }
-#endif
 
-#if defined(__AVX512F__) || defined(__FMA__)
 // One thread's kSteps x kAcc FMAs; returns a value that depends on every accumulator.
 float fma_run() {
   VecF acc[kAcc];
