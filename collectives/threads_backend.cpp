@@ -1,7 +1,7 @@
 // The in-process threads backend: N ranks as N threads sharing memory. Each collective is a
 // rendezvous of all ranks (sequence-numbered, with the op's signature checked on every call);
 // after arrival every rank reads its peers' buffers directly, and a departure barrier keeps
-// those buffers alive until all have read. Point-to-point messages are matched in per
+// those buffers alive until all have read (and past it for a rank that timed out there, see Posted). Point-to-point messages are matched in per
 // (source, destination, tag) FIFO channels with eager delivery, like MPI's non-overtaking rule.
 // Timeouts throw an Error on every waiting rank naming the op and the ranks that had not arrived.
 #include <algorithm>
@@ -34,8 +34,12 @@ struct Universe {
 };
 
 // What a rank publishes for the collective in progress (valid from its arrival until the
-// departure barrier).
+// departure barrier). `call` keeps the tensors and counts that peers read alive: a rank whose
+// departure wait times out leaves while a slower peer may still be reading them, and its
+// caller may then drop every handle; the group holds them until the rank publishes again,
+// which a broken group never lets it do.
 struct Posted {
+  std::shared_ptr<const OpCall> call;
   const Signature* sig = nullptr;
   void* out = nullptr;
   const void* in = nullptr;
@@ -93,10 +97,13 @@ class Group {
   }
 
   // Waits until all n ranks have called sync for the same phase; throws at the deadline
-  // naming the ranks that had not arrived.
-  void sync(int rank, const OpDesc& d, Clock::time_point deadline, std::chrono::milliseconds timeout) {
+  // naming the ranks that had not arrived. `publish`, on arrival, becomes this rank's entry of
+  // `posted` once the group is known to be alive (a dead group's entries may still be read).
+  void sync(int rank, const OpDesc& d, Clock::time_point deadline, std::chrono::milliseconds timeout,
+            Posted* publish = nullptr) {
     std::unique_lock lk(mu);
     throw_if_dead(d);
+    if (publish) posted[size_t(rank)] = std::move(*publish);
     entered_seq[size_t(rank)] = d.seq;
     entered_kind[size_t(rank)] = int(d.kind);
     const uint64_t my = gen;
@@ -211,8 +218,9 @@ class ThreadsCommunicator final : public Communicator {
     if (c.desc.kind == OpKind::all_gather) c.in_counts.assign(size_t(size()), c.in.numel());
     if (c.desc.kind == OpKind::reduce_scatter) c.in_counts.assign(size_t(size()), c.out.numel());
     auto w = std::make_shared<WorkState>(c.desc, timeout());
-    exec_.submit(w, [this, c = std::move(c), wp = w.get()]() mutable { run_collective(c, *wp); },
-                 c.async);
+    const bool async = c.async;
+    exec_.submit(w, [this, call = std::make_shared<OpCall>(std::move(c)), wp = w.get()] { run_collective(call, *wp); },
+                 async);
     return w;
   }
 
@@ -226,21 +234,20 @@ class ThreadsCommunicator final : public Communicator {
   }
 
  private:
-  void run_collective(OpCall& c, const WorkState& w);
+  void run_collective(const std::shared_ptr<OpCall>& call, const WorkState& w);
   std::shared_ptr<Communicator> run_split(OpCall& c, const WorkState& w, uint64_t seq);
   std::shared_ptr<WorkState> start_p2p(OpCall& c);
   // Arrival: publish, wait for all, check that every rank calls the same op. The returned
   // message is thrown after the departure barrier so no rank reads a peer's next publication.
-  std::string arrive(OpCall& c, const Posted& p, const WorkState& w);
+  std::string arrive(OpCall& c, Posted&& p, const WorkState& w);
 
   std::shared_ptr<Group> g_;
   CommOptions opts_;
   OpExecutor exec_;
 };
 
-std::string ThreadsCommunicator::arrive(OpCall& c, const Posted& p, const WorkState& w) {
-  g_->posted[size_t(rank())] = p;
-  g_->sync(rank(), c.desc, w.deadline, w.timeout);
+std::string ThreadsCommunicator::arrive(OpCall& c, Posted&& p, const WorkState& w) {
+  g_->sync(rank(), c.desc, w.deadline, w.timeout, &p);
   std::vector<Signature> sigs;
   for (const Posted& q : g_->posted) sigs.push_back(*q.sig);
   try {
@@ -262,28 +269,31 @@ std::string ThreadsCommunicator::arrive(OpCall& c, const Posted& p, const WorkSt
   return {};
 }
 
-void ThreadsCommunicator::run_collective(OpCall& c, const WorkState& w) {
+void ThreadsCommunicator::run_collective(const std::shared_ptr<OpCall>& call, const WorkState& w) {
+  OpCall& c = *call;
   Group& g = *g_;
   const int r = rank(), n = size();
   const DType dt = c.desc.dtype;
   const size_t es = dtype_size(dt);
+  char* out = c.out.defined() ? static_cast<char*>(c.out.data_ptr()) : nullptr;
+  const int64_t numel = c.out.defined() ? c.out.numel() : 0;
   Posted me;
+  me.call = call;
   me.sig = &c.sig;
-  if (c.out.defined()) me.out = c.out.data_ptr();
+  me.out = out;
   if (c.in.defined()) me.in = c.in.data_ptr();
-  me.numel = c.out.defined() ? c.out.numel() : 0;
+  me.numel = numel;
   me.in_counts = &c.in_counts;
   me.out_counts = &c.out_counts;
-  std::string err = arrive(c, me, w);
+  std::string err = arrive(c, std::move(me), w);
   auto peer_out = [&](int q) { return static_cast<char*>(g.posted[size_t(q)].out); };
   auto peer_in = [&](int q) { return static_cast<const char*>(g.posted[size_t(q)].in); };
-  char* out = static_cast<char*>(me.out);
   if (err.empty()) {
     switch (c.desc.kind) {
       case OpKind::all_reduce: {
         // Rank r reduces chunk r of everyone's tensor into its own, then copies the other
         // chunks from their owners: each element is read and written without a race.
-        const int64_t N = me.numel;
+        const int64_t N = numel;
         auto lo = [&](int q) { return N * q / n; };
         std::vector<const void*> srcs(static_cast<size_t>(n));
         for (int q = 0; q < n; ++q) srcs[size_t(q)] = peer_out(q) + lo(r) * int64_t(es);
@@ -296,14 +306,14 @@ void ThreadsCommunicator::run_collective(OpCall& c, const WorkState& w) {
         break;
       }
       case OpKind::broadcast:
-        if (r != c.desc.root && me.numel) std::memcpy(out, peer_out(c.desc.root), size_t(me.numel) * es);
+        if (r != c.desc.root && numel) std::memcpy(out, peer_out(c.desc.root), size_t(numel) * es);
         break;
       case OpKind::reduce:
         if (r == c.desc.root) {
           std::vector<const void*> srcs(static_cast<size_t>(n));
           for (int q = 0; q < n; ++q) srcs[size_t(q)] = peer_out(q);
-          reduce_many(dt, *c.desc.rop, out, srcs.data(), n, me.numel);
-          if (*c.desc.rop == ReduceOp::avg) divide_by(dt, out, me.numel, n);
+          reduce_many(dt, *c.desc.rop, out, srcs.data(), n, numel);
+          if (*c.desc.rop == ReduceOp::avg) divide_by(dt, out, numel, n);
         }
         break;
       case OpKind::all_gather:
@@ -344,6 +354,7 @@ void ThreadsCommunicator::run_collective(OpCall& c, const WorkState& w) {
     }
   }
   g.sync(r, c.desc, w.deadline, w.timeout);
+  g.posted[size_t(r)].call.reset();  // every peer has left: nothing reads this rank's buffers now
   if (!err.empty()) throw Error(err);
 }
 
@@ -354,7 +365,7 @@ std::shared_ptr<Communicator> ThreadsCommunicator::run_split(OpCall& c, const Wo
   me.sig = &c.sig;
   me.color = c.color;
   me.key = c.key;
-  std::string err = arrive(c, me, w);
+  std::string err = arrive(c, std::move(me), w);
   if (err.empty() && r == 0) {
     // Rank 0 builds every new group; members pick theirs up after the middle barrier.
     std::map<int, std::vector<std::pair<int, int>>> by_color;  // color -> (key, rank)

@@ -88,6 +88,41 @@ TEST_CASE("threads backend: a rank that skips a collective makes the others fail
   }
 }
 
+TEST_CASE("threads backend: a rank that times out waiting for a slower peer's reads keeps its buffers for it") {
+  // reduce_scatter_v with rows {N, 1}: rank 0 reduces N elements of both inputs, rank 1 one,
+  // so rank 1 reaches the departure barrier long before rank 0 and times out there while rank
+  // 0 still reads rank 1's input. Rank 1's caller then drops that input. Its 256 MiB come from
+  // mmap (the block cache is off here), so a released buffer would be unmapped under rank 0's
+  // reads: a crash in any build, a use-after-free report under ASan.
+  const int64_t saved_limit = cpu_cache_limit();
+  set_cpu_cache_limit(0);
+  constexpr int64_t N = int64_t(64) << 20;
+  std::mutex mu;
+  std::vector<std::string> errors;
+  run_threads_group(2, [&](Communicator& c) {
+    {
+      Tensor in = ones({N + 1});
+      Tensor out = zeros({c.rank() == 0 ? N : 1});
+      c.barrier();
+      c.set_timeout(10ms);
+      try {
+        c.reduce_scatter_v(out, in, {N, 1});
+      } catch (const Error& e) {
+        std::lock_guard lk(mu);
+        errors.push_back(e.what());
+      }
+    }  // rank 1 releases its tensors here, while rank 0 may still be reducing
+    if (c.rank() == 1) {
+      Tensor reuse = full({N + 1}, 7.0);  // may land where the input was
+      CHECK(reuse.numel() == N + 1);
+    }
+  }, {.timeout = 60s});
+  set_cpu_cache_limit(saved_limit);
+  REQUIRE(errors.size() == 2);
+  for (const std::string& e : errors)
+    CHECK_MESSAGE(e.find("did not complete within 10 ms") != std::string::npos, e);
+}
+
 TEST_CASE("threads backend: ranks calling different shapes fail naming the odd rank") {
   std::mutex mu;
   std::vector<std::string> errors;
