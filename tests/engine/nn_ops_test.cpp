@@ -428,6 +428,32 @@ TEST_CASE("nn ops: norms of many rows split the work and sum weight gradients ov
   }
 }
 
+TEST_CASE("nn ops: rms_norm weight gradients of rows wider than a partial-sum chunk") {
+  // 130 rows x 1100 columns: every row block holds a partial row, summed in chunks of 512
+  // columns with a ragged tail; f64 (the scalar path) and f32 (sixteen lanes) against a loop.
+  constexpr int64_t rows = 130, cols = 1100;
+  for (DType dt : {DType::f64, DType::f32}) {
+    INFO(dtype_name(dt));
+    Tensor x = randn({rows, cols}, RngKey(8, "x"), {.dtype = dt});
+    Tensor w = randn({cols}, RngKey(8, "w"), {.dtype = dt, .requires_grad = true});
+    Tensor g = randn({rows, cols}, RngKey(8, "g"), {.dtype = dt});
+    rms_norm(x, w, 1e-6).backward(g);
+    const std::vector<double> xv = x.to_vector(), gv = g.to_vector(), gw = w.grad().to_vector();
+    std::vector<double> rstd(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) {
+      double ss = 0;
+      for (int64_t k = 0; k < cols; ++k) ss += xv[size_t(i * cols + k)] * xv[size_t(i * cols + k)];
+      rstd[size_t(i)] = 1.0 / std::sqrt(ss / double(cols) + 1e-6);
+    }
+    const double tol = dt == DType::f64 ? 1e-10 : 1e-4;
+    for (int64_t j = 0; j < cols; ++j) {
+      double want = 0;
+      for (int64_t i = 0; i < rows; ++i) want += gv[size_t(i * cols + j)] * xv[size_t(i * cols + j)] * rstd[size_t(i)];
+      CHECK_MESSAGE(gw[size_t(j)] == doctest::Approx(want).epsilon(tol), "column ", j);
+    }
+  }
+}
+
 TEST_CASE("nn ops: norm errors name the mismatched shapes") {
   Tensor x = randn({2, 5}, RngKey(7, "x"));
   CHECK_THROWS_WITH_AS(rms_norm(x, ones({6})),
