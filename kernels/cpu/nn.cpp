@@ -267,8 +267,9 @@ void ce_bwd(T* grad, const T* logits, const I* target, const compute_t<T>* scale
         const float l = lse ? lse[r] : row_logsumexp16(x, cols);
         const vec::F32x16 l16 = vec::splat16(l), k16 = vec::splat16(k);
         int64_t i = 0;
-        for (; i + 16 <= cols; i += 16) vec::store16(orow + i, vec::exp16(vec::load16(x + i) - l16) * k16);
-        for (; i < cols; ++i) vec::store(orow[i], vec::exp(vec::load(x[i]) - l) * k);
+        const int64_t n = cols;  // a local: the stores may alias anything the lambda refers to
+        for (; i + 16 <= n; i += 16) vec::store16(orow + i, vec::exp16(vec::load16(x + i) - l16) * k16);
+        for (; i < n; ++i) vec::store(orow[i], vec::exp(vec::load(x[i]) - l) * k);
         // The target's element again from the logit (a bf16 row was already rounded once).
         vec::store(orow[t], vec::exp(vec::load(x[t]) - l) * k - k);
         continue;
@@ -334,27 +335,28 @@ void rms_fwd16(T* y, float* rstd, const T* x, const T* res, T* h, const T* w, in
                double eps) {
   using vec::load16, vec::store16;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
-    const std::vector<float> wbuf = weight_row(w, cols);
+    const int64_t n = cols;  // a local: the stores below may alias anything the lambda refers to
+    const std::vector<float> wbuf = weight_row(w, n);
     const float* __restrict wp = wbuf.data();
     for (int64_t r = b; r < e; ++r) {
-      const T* __restrict xr = x + r * cols;
+      const T* __restrict xr = x + r * n;
       if (res) {  // h = x + res, stored (rounded to T) first: the norm reads h as stored
-        const T* __restrict rr = res + r * cols;
-        T* __restrict hr = h + r * cols;
+        const T* __restrict rr = res + r * n;
+        T* __restrict hr = h + r * n;
         int64_t i = 0;
-        for (; i + 16 <= cols; i += 16) store16(hr + i, load16(xr + i) + load16(rr + i));
-        for (; i < cols; ++i) vec::store(hr[i], vec::load(xr[i]) + vec::load(rr[i]));
+        for (; i + 16 <= n; i += 16) store16(hr + i, load16(xr + i) + load16(rr + i));
+        for (; i < n; ++i) vec::store(hr[i], vec::load(xr[i]) + vec::load(rr[i]));
         xr = hr;
       }
       const float ss = row_sum16(
-          cols, [&](int64_t i, vec::F32x16& a) { const vec::F32x16 v = load16(xr + i); a += v * v; },
+          n, [&](int64_t i, vec::F32x16& a) { const vec::F32x16 v = load16(xr + i); a += v * v; },
           [&](int64_t i) { const float v = vec::load(xr[i]); return v * v; });
-      const float rs = 1.0f / std::sqrt(ss / float(cols) + float(eps));
+      const float rs = 1.0f / std::sqrt(ss / float(n) + float(eps));
       rstd[r] = rs;
-      T* __restrict yr = y + r * cols;
+      T* __restrict yr = y + r * n;
       int64_t i = 0;
-      for (; i + 16 <= cols; i += 16) store16(yr + i, load16(xr + i) * rs * load16(wp + i));
-      for (; i < cols; ++i) vec::store(yr[i], vec::load(xr[i]) * rs * wp[i]);
+      for (; i + 16 <= n; i += 16) store16(yr + i, load16(xr + i) * rs * load16(wp + i));
+      for (; i < n; ++i) vec::store(yr[i], vec::load(xr[i]) * rs * wp[i]);
     }
   });
 }
