@@ -90,10 +90,12 @@ TEST_CASE("threads backend: a rank that skips a collective makes the others fail
 
 TEST_CASE("threads backend: a rank that times out waiting for a slower peer's reads keeps its buffers for it") {
   // reduce_scatter_v with rows {N, 1}: rank 0 reduces N elements of both inputs, rank 1 one,
-  // so rank 1 reaches the departure barrier long before rank 0 and times out there while rank
-  // 0 still reads rank 1's input. Rank 1's caller then drops that input. Its 256 MiB come from
-  // mmap (the block cache is off here), so a released buffer would be unmapped under rank 0's
-  // reads: a crash in any build, a use-after-free report under ASan.
+  // so rank 1 reaches the departure barrier long before rank 0. A first call with the group's
+  // long timeout measures how long rank 0 takes; the second runs with a quarter of that, so
+  // rank 1 times out at departure while rank 0 still reads rank 1's input, and rank 1's caller
+  // then drops that input. Its 256 MiB come from mmap (the block cache is off here), so a
+  // released buffer would be unmapped under rank 0's reads: a crash in any build, a
+  // use-after-free report under ASan.
   const int64_t saved_limit = cpu_cache_limit();
   set_cpu_cache_limit(0);
   constexpr int64_t N = int64_t(64) << 20;
@@ -104,7 +106,12 @@ TEST_CASE("threads backend: a rank that times out waiting for a slower peer's re
       Tensor in = ones({N + 1});
       Tensor out = zeros({c.rank() == 0 ? N : 1});
       c.barrier();
-      c.set_timeout(10ms);
+      const auto t0 = std::chrono::steady_clock::now();
+      c.reduce_scatter_v(out, in, {N, 1});  // rank 1 waits at departure until rank 0 is done
+      Tensor took_ms = full({1}, seconds_since(t0) * 1e3);
+      c.broadcast(took_ms, 0);  // one timeout for both ranks
+      c.barrier();
+      c.set_timeout(std::max(1ms, std::chrono::milliseconds(int64_t(took_ms.item<double>() / 4))));
       try {
         c.reduce_scatter_v(out, in, {N, 1});
       } catch (const Error& e) {
@@ -120,7 +127,8 @@ TEST_CASE("threads backend: a rank that times out waiting for a slower peer's re
   set_cpu_cache_limit(saved_limit);
   REQUIRE(errors.size() == 2);
   for (const std::string& e : errors)
-    CHECK_MESSAGE(e.find("did not complete within 10 ms") != std::string::npos, e);
+    CHECK_MESSAGE(e.find("reduce_scatter_v #5 on world") != std::string::npos, e);
+  for (const std::string& e : errors) CHECK_MESSAGE(e.find(" did not complete within ") != std::string::npos, e);
 }
 
 TEST_CASE("threads backend: ranks calling different shapes fail naming the odd rank") {
