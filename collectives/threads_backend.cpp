@@ -1,8 +1,9 @@
 // The in-process threads backend: N ranks as N threads sharing memory. Each collective is a
 // rendezvous of all ranks (sequence-numbered, with the op's signature checked on every call);
 // after arrival every rank reads its peers' buffers directly, and a departure barrier keeps
-// those buffers alive until all have read (and past it for a rank that timed out there, see Posted). Point-to-point messages are matched in per
-// (source, destination, tag) FIFO channels with eager delivery, like MPI's non-overtaking rule.
+// those buffers alive until all have read (past it for a rank that timed out there: see
+// Posted). Point-to-point messages are matched in per (source, destination, tag) FIFO channels
+// with eager delivery, like MPI's non-overtaking rule.
 // Timeouts throw an Error on every waiting rank naming the op and the ranks that had not arrived.
 #include <algorithm>
 #include <cstring>

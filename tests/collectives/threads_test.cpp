@@ -119,16 +119,13 @@ TEST_CASE("threads backend: a rank that times out waiting for a slower peer's re
         errors.push_back(e.what());
       }
     }  // rank 1 releases its tensors here, while rank 0 may still be reducing
-    if (c.rank() == 1) {
-      Tensor reuse = full({N + 1}, 7.0);  // may land where the input was
-      CHECK(reuse.numel() == N + 1);
-    }
   }, {.timeout = 60s});
   set_cpu_cache_limit(saved_limit);
   REQUIRE(errors.size() == 2);
-  for (const std::string& e : errors)
+  for (const std::string& e : errors) {
     CHECK_MESSAGE(e.find("reduce_scatter_v #5 on world") != std::string::npos, e);
-  for (const std::string& e : errors) CHECK_MESSAGE(e.find(" did not complete within ") != std::string::npos, e);
+    CHECK_MESSAGE(e.find(" did not complete within ") != std::string::npos, e);
+  }
 }
 
 TEST_CASE("threads backend: ranks calling different shapes fail naming the odd rank") {
