@@ -34,21 +34,12 @@ struct Universe {
   }
 };
 
-// What a rank publishes for the collective in progress (valid from its arrival until the
-// departure barrier). `call` keeps the tensors and counts that peers read alive: a rank whose
-// departure wait times out leaves while a slower peer may still be reading them, and its
-// caller may then drop every handle; the group holds them until the rank publishes again,
-// which a broken group never lets it do.
-struct Posted {
-  std::shared_ptr<const OpCall> call;
-  const Signature* sig = nullptr;
-  void* out = nullptr;
-  const void* in = nullptr;
-  int64_t numel = 0;
-  const std::vector<int64_t>* in_counts = nullptr;
-  const std::vector<int64_t>* out_counts = nullptr;
-  int color = -1, key = 0;
-};
+// What a rank publishes for the collective in progress: its call, whose tensors, counts,
+// signature and split color/key peers read from its arrival until the departure barrier.
+// Holding the call keeps them alive: a rank whose departure wait times out leaves while a
+// slower peer may still be reading them, and its caller may then drop every handle; the group
+// holds them until the rank publishes again, which a broken group never lets it do.
+using Posted = std::shared_ptr<const OpCall>;
 
 class ThreadsP2PWork;
 
@@ -101,10 +92,10 @@ class Group {
   // naming the ranks that had not arrived. `publish`, on arrival, becomes this rank's entry of
   // `posted` once the group is known to be alive (a dead group's entries may still be read).
   void sync(int rank, const OpDesc& d, Clock::time_point deadline, std::chrono::milliseconds timeout,
-            Posted* publish = nullptr) {
+            const Posted* publish = nullptr) {
     std::unique_lock lk(mu);
     throw_if_dead(d);
-    if (publish) posted[size_t(rank)] = std::move(*publish);
+    if (publish) posted[size_t(rank)] = *publish;
     entered_seq[size_t(rank)] = d.seq;
     entered_kind[size_t(rank)] = int(d.kind);
     const uint64_t my = gen;
@@ -226,31 +217,32 @@ class ThreadsCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Communicator> do_split(int color, int key, uint64_t seq) override {
-    OpCall c = split_call(name(), rank(), color, key, seq);
-    auto w = std::make_shared<WorkState>(c.desc, timeout());
+    auto c = std::make_shared<OpCall>(split_call(name(), rank(), color, key, seq));
+    auto w = std::make_shared<WorkState>(c->desc, timeout());
     auto result = std::make_shared<std::shared_ptr<Communicator>>();
-    exec_.submit(w, [this, c, result, wp = w.get(), seq]() mutable { *result = run_split(c, *wp, seq); }, false);
+    exec_.submit(w, [this, c, result, wp = w.get(), seq] { *result = run_split(c, *wp, seq); }, false);
     Work(w).wait();
     return *result;
   }
 
  private:
   void run_collective(const std::shared_ptr<OpCall>& call, const WorkState& w);
-  std::shared_ptr<Communicator> run_split(OpCall& c, const WorkState& w, uint64_t seq);
+  std::shared_ptr<Communicator> run_split(const std::shared_ptr<OpCall>& call, const WorkState& w, uint64_t seq);
   std::shared_ptr<WorkState> start_p2p(OpCall& c);
   // Arrival: publish, wait for all, check that every rank calls the same op. The returned
   // message is thrown after the departure barrier so no rank reads a peer's next publication.
-  std::string arrive(OpCall& c, Posted&& p, const WorkState& w);
+  std::string arrive(const Posted& call, const WorkState& w);
 
   std::shared_ptr<Group> g_;
   CommOptions opts_;
   OpExecutor exec_;
 };
 
-std::string ThreadsCommunicator::arrive(OpCall& c, Posted&& p, const WorkState& w) {
-  g_->sync(rank(), c.desc, w.deadline, w.timeout, &p);
+std::string ThreadsCommunicator::arrive(const Posted& call, const WorkState& w) {
+  const OpCall& c = *call;
+  g_->sync(rank(), c.desc, w.deadline, w.timeout, &call);
   std::vector<Signature> sigs;
-  for (const Posted& q : g_->posted) sigs.push_back(*q.sig);
+  for (const Posted& q : g_->posted) sigs.push_back(q->sig);
   try {
     check_signatures(sigs, c.desc);
   } catch (const Error& e) {
@@ -260,8 +252,8 @@ std::string ThreadsCommunicator::arrive(OpCall& c, Posted&& p, const WorkState& 
     // Every rank checks the whole send/receive matrix, so all of them fail together.
     for (int i = 0; i < size(); ++i)
       for (int j = 0; j < size(); ++j) {
-        const int64_t sent = (*g_->posted[size_t(i)].in_counts)[size_t(j)];
-        const int64_t want = (*g_->posted[size_t(j)].out_counts)[size_t(i)];
+        const int64_t sent = g_->posted[size_t(i)]->in_counts[size_t(j)];
+        const int64_t want = g_->posted[size_t(j)]->out_counts[size_t(i)];
         if (sent != want)
           return concat("[all_to_all_single] ", c.desc.short_str(), " on ", name(), ": rank ", i, " sends ", sent,
                         " elements to rank ", j, ", which expects ", want, " from it (check the split sizes)");
@@ -278,17 +270,9 @@ void ThreadsCommunicator::run_collective(const std::shared_ptr<OpCall>& call, co
   const size_t es = dtype_size(dt);
   char* out = c.out.defined() ? static_cast<char*>(c.out.data_ptr()) : nullptr;
   const int64_t numel = c.out.defined() ? c.out.numel() : 0;
-  Posted me;
-  me.call = call;
-  me.sig = &c.sig;
-  me.out = out;
-  if (c.in.defined()) me.in = c.in.data_ptr();
-  me.numel = numel;
-  me.in_counts = &c.in_counts;
-  me.out_counts = &c.out_counts;
-  std::string err = arrive(c, std::move(me), w);
-  auto peer_out = [&](int q) { return static_cast<char*>(g.posted[size_t(q)].out); };
-  auto peer_in = [&](int q) { return static_cast<const char*>(g.posted[size_t(q)].in); };
+  std::string err = arrive(call, w);
+  auto peer_out = [&](int q) { return static_cast<char*>(g.posted[size_t(q)]->out.data_ptr()); };
+  auto peer_in = [&](int q) { return static_cast<const char*>(g.posted[size_t(q)]->in.data_ptr()); };
   if (err.empty()) {
     switch (c.desc.kind) {
       case OpKind::all_reduce: {
@@ -340,7 +324,7 @@ void ThreadsCommunicator::run_collective(const std::shared_ptr<OpCall>& call, co
       case OpKind::all_to_all: {
         int64_t at = 0;
         for (int q = 0; q < n; ++q) {
-          const auto& sc = *g.posted[size_t(q)].in_counts;
+          const auto& sc = g.posted[size_t(q)]->in_counts;
           const int64_t from = std::accumulate(sc.begin(), sc.begin() + r, int64_t{0});
           const int64_t k = c.out_counts[size_t(q)];
           if (k) std::memcpy(out + at * int64_t(es), peer_in(q) + from * int64_t(es), size_t(k) * es);
@@ -355,23 +339,23 @@ void ThreadsCommunicator::run_collective(const std::shared_ptr<OpCall>& call, co
     }
   }
   g.sync(r, c.desc, w.deadline, w.timeout);
-  g.posted[size_t(r)].call.reset();  // every peer has left: nothing reads this rank's buffers now
+  g.posted[size_t(r)].reset();  // every peer has left: nothing reads this rank's buffers now
   if (!err.empty()) throw Error(err);
 }
 
-std::shared_ptr<Communicator> ThreadsCommunicator::run_split(OpCall& c, const WorkState& w, uint64_t seq) {
+std::shared_ptr<Communicator> ThreadsCommunicator::run_split(const std::shared_ptr<OpCall>& call, const WorkState& w,
+                                                             uint64_t seq) {
+  const OpCall& c = *call;
   Group& g = *g_;
   const int r = rank(), n = size();
-  Posted me;
-  me.sig = &c.sig;
-  me.color = c.color;
-  me.key = c.key;
-  std::string err = arrive(c, std::move(me), w);
+  std::string err = arrive(call, w);
   if (err.empty() && r == 0) {
     // Rank 0 builds every new group; members pick theirs up after the middle barrier.
     std::map<int, std::vector<std::pair<int, int>>> by_color;  // color -> (key, rank)
-    for (int q = 0; q < n; ++q)
-      if (g.posted[size_t(q)].color >= 0) by_color[g.posted[size_t(q)].color].push_back({g.posted[size_t(q)].key, q});
+    for (int q = 0; q < n; ++q) {
+      const OpCall& p = *g.posted[size_t(q)];
+      if (p.color >= 0) by_color[p.color].push_back({p.key, q});
+    }
     for (auto& [color, members] : by_color) {
       std::sort(members.begin(), members.end());
       auto child = std::make_shared<Group>(int(members.size()), child_name(seq, color), g.uni);
@@ -382,7 +366,7 @@ std::shared_ptr<Communicator> ThreadsCommunicator::run_split(OpCall& c, const Wo
       for (auto& m : members) g.split_result[size_t(m.second)] = child;
     }
     for (int q = 0; q < n; ++q)
-      if (g.posted[size_t(q)].color < 0) g.split_result[size_t(q)] = nullptr;
+      if (g.posted[size_t(q)]->color < 0) g.split_result[size_t(q)] = nullptr;
   }
   std::shared_ptr<Group> mine;
   // My rank in the child: position of (key, rank) among the members of my color. Read before
@@ -393,12 +377,13 @@ std::shared_ptr<Communicator> ThreadsCommunicator::run_split(OpCall& c, const Wo
     mine = g.split_result[size_t(r)];
     std::vector<std::pair<int, int>> members;
     for (int q = 0; q < n; ++q)
-      if (g.posted[size_t(q)].color == c.color) members.push_back({g.posted[size_t(q)].key, q});
+      if (g.posted[size_t(q)]->color == c.color) members.push_back({g.posted[size_t(q)]->key, q});
     std::sort(members.begin(), members.end());
     for (size_t i = 0; i < members.size(); ++i)
       if (members[i].second == r) my_rank = int(i);
   }
   g.sync(r, c.desc, w.deadline, w.timeout);
+  g.posted[size_t(r)].reset();
   if (!err.empty()) throw Error(err);
   if (!mine) return nullptr;
   return std::make_shared<ThreadsCommunicator>(mine, my_rank, opts_, backend());

@@ -45,14 +45,6 @@ int64_t default_cache_limit() {
   return int64_t(pages) * int64_t(page) / 4;
 }
 
-// glibc's malloc serves blocks from 128 KiB up with mmap until one is freed, then raises that
-// threshold to the block's size and gives back to the system whatever lies free beyond twice
-// it at the top of a heap. The GEMM libraries allocate their packing buffers per call (oneDNN
-// several MiB for a large GEMM) and free them at its end, so every call faulted those pages in
-// afresh: a single-threaded 512 x 768 x 2048 f32 GEMM ran 1.5x slower on the calls that did.
-// Unless the user tuned malloc (a MALLOC_*_ variable, glibc.malloc tunables) or set
-// QUILT_MALLOC_KEEP=0, requests below 32 MiB (glibc's largest threshold) come from the heaps and
-// up to 256 MiB free at a heap's top stays mapped, so buffers freed by one call serve the next.
 bool malloc_tuned_by_user() {
   for (const char* v : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"})
     if (std::getenv(v)) return true;
@@ -66,6 +58,14 @@ bool env_off(const char* name) {
   return v && std::strcmp(v, "0") == 0;
 }
 
+// glibc's malloc serves blocks from 128 KiB up with mmap until one is freed, then raises that
+// threshold to the block's size and gives back to the system whatever lies free beyond twice
+// it at the top of a heap. The GEMM libraries allocate their packing buffers per call (oneDNN
+// several MiB for a large GEMM) and free them at its end, so every call faulted those pages in
+// afresh: a single-threaded 512 x 768 x 2048 f32 GEMM ran 1.5x slower on the calls that did.
+// Unless the user tuned malloc (a MALLOC_*_ variable, glibc.malloc tunables) or set
+// QUILT_MALLOC_KEEP=0, requests below 32 MiB (glibc's largest threshold) come from the heaps and
+// up to 256 MiB free at a heap's top stays mapped, so buffers freed by one call serve the next.
 void keep_malloc_heaps() {
 #ifdef __GLIBC__
   if (env_off("QUILT_MALLOC_KEEP") || malloc_tuned_by_user()) return;

@@ -267,7 +267,7 @@ void ce_bwd(T* grad, const T* logits, const I* target, const compute_t<T>* scale
         const float l = lse ? lse[r] : row_logsumexp16(x, cols);
         const vec::F32x16 l16 = vec::splat16(l), k16 = vec::splat16(k);
         int64_t i = 0;
-        const int64_t n = cols;  // a local: the stores may alias anything the lambda refers to
+        const int64_t n = cols;  // a local bound (see vec::store16)
         for (; i + 16 <= n; i += 16) vec::store16(orow + i, vec::exp16(vec::load16(x + i) - l16) * k16);
         for (; i < n; ++i) vec::store(orow[i], vec::exp(vec::load(x[i]) - l) * k);
         // The target's element again from the logit (a bf16 row was already rounded once).
@@ -335,7 +335,7 @@ void rms_fwd16(T* y, float* rstd, const T* x, const T* res, T* h, const T* w, in
                double eps) {
   using vec::load16, vec::store16;
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
-    const int64_t n = cols;  // a local: the stores below may alias anything the lambda refers to
+    const int64_t n = cols;  // a local bound (see vec::store16)
     const std::vector<float> wbuf = weight_row(w, n);
     const float* __restrict wp = wbuf.data();
     for (int64_t r = b; r < e; ++r) {
@@ -419,7 +419,7 @@ void rms_bwd16(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, co
   const int64_t nb = norm_blocks(rows);
   const std::unique_ptr<float[]> part(new float[size_t(gw ? nb * cols : 0)]);
   parallel_range(nb, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n = cols;  // a local: the stores below may alias anything the lambda refers to
+    const int64_t n = cols;  // a local bound (see vec::store16)
     const std::vector<float> wbuf = weight_row(w, n);
     const float* __restrict wp = wbuf.data();
     for (int64_t blk = b0; blk < b1; ++blk) {

@@ -150,6 +150,8 @@ QUILT_VEC_INLINE F32x16 load16(const BFloat16* p) {
   return std::bit_cast<F32x16>(__builtin_convertvector(h, U32x16) << 16);
 #endif
 }
+// The stores go through memcpy, which may alias any object: a loop that stores lanes should read
+// its bounds from locals, or the compiler reloads them (from a lambda's captures, say) each step.
 QUILT_VEC_INLINE void store16(float* p, const F32x16& v) { std::memcpy(p, &v, sizeof v); }
 /// Sixteen f32 values rounded to bf16: by the CPU's `vcvtneps2bf16` where it has AVX512-BF16
 /// (which flushes inputs below 2^-126 to zero), else as bf16_bits above, lane by lane.
