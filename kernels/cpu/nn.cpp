@@ -150,7 +150,7 @@ template <class T>
 constexpr bool kLanes16 = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
 
 // Σ f(i) over [0, n): add16(i, acc) adds lanes i..i+15 into acc, f1(i) gives element i. (The
-// lanes go by reference: a lambda returning a 64-byte vector draws GCC's ABI note off AVX-512.)
+// lanes go by reference: a lambda returning sixteen lanes draws GCC's ABI note off AVX-512.)
 template <class F16, class F1>
 inline float row_sum16(int64_t n, F16&& add16, F1&& f1) {
   vec::F32x16 a0{}, a1{}, a2{}, a3{};
@@ -169,12 +169,13 @@ inline float row_sum16(int64_t n, F16&& add16, F1&& f1) {
 
 // ---- cross entropy ----
 
-// Where the CPU has AVX-512, the exp-bound kernels (SwiGLU, cross entropy) can take the exp in
-// sixteen lanes (vec::exp16), T read and written in place. In alternating runs against Eigen's
-// array form (docs/PERF.md, 2026-12-06) that won for every bf16 kernel (1.3-3.4x: no widened copy
-// of the rows and no narrowing pass) and, in f32, for the SwiGLU backward and the cross-entropy
-// forward (which prefetches the next row); the f32 SwiGLU forward and cross-entropy backward
-// measured within the noise or below and stay on Eigen, as does everything off AVX-512, f64, f16.
+// Where the CPU has AVX or AVX-512 (vec::kFastExp16), the exp-bound kernels (SwiGLU, cross
+// entropy) can take the exp in sixteen lanes (vec::exp16), T read and written in place. In
+// alternating runs against Eigen's array form (docs/PERF.md, 2026-12-06 on AVX-512, 2026-12-07 on
+// AVX2) that won for the bf16 kernels (no widened copy of the rows and no narrowing pass) and, in
+// f32, for the SwiGLU backward and the cross-entropy forward (which prefetches the next row); the
+// f32 SwiGLU forward and cross-entropy backward measured within the noise or below and stay on
+// Eigen, as does everything without AVX, f64, f16.
 template <class T>
 constexpr bool kExpLanes = vec::kFastExp16 && kLanes16<T>;
 template <class T>
@@ -611,7 +612,7 @@ void for_blocks(int64_t n, F&& f) {
   });
 }
 
-// silu(g)·u and its gradients where the CPU has AVX-512: one pass, sixteen lanes, T read and
+// silu(g)·u and its gradients where the CPU has AVX or AVX-512: one pass, sixteen lanes, T read and
 // written in place (vec::exp16), no widened block and no second pass to narrow it.
 template <class T>
 void swiglu_fwd16(T* out, const T* gate, const T* up, int64_t n) {
@@ -668,7 +669,7 @@ void swiglu_fwd(T* out, const T* gate, const T* up, int64_t n) {
   });
 }
 
-// Off AVX-512 the backward's sigmoid by vec::exp in one vectorised loop over the block (Eigen's
+// Without AVX the backward's sigmoid by vec::exp in one vectorised loop over the block (Eigen's
 // array form took three passes over it and a division per element that did not pipeline); f64
 // and f16 keep the Eigen form.
 template <class T>

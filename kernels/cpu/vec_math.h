@@ -1,8 +1,8 @@
 // Element functions for loops the compiler vectorises for the build's target (AVX2, AVX-512;
 // not SSE-only builds, where the selects stay branches): branchless, no calls into libm,
-// integer tricks through std::bit_cast. Used by the SwiGLU backward's block loop off AVX-512;
+// integer tricks through std::bit_cast. Used by the SwiGLU backward's block loop without AVX;
 // load/store let a loop read and write bf16 in place. Sixteen-lane values (F32x16, below) carry
-// the norms, RoPE and, on AVX-512, the exp-bound SwiGLU and cross entropy (exp16).
+// the norms, RoPE and, with AVX or AVX-512, the exp-bound SwiGLU and cross entropy (exp16).
 //
 //   #pragma omp simd simdlen(16)
 //   for (int64_t i = 0; i < n; ++i) y[i] = vec::exp(x[i]);           // f32
@@ -113,19 +113,27 @@ QUILT_VEC_INLINE void store(Half& dst, float v) { dst = Half(v); }
 //
 // A row kernel that reduces (a sum of squares, a dot product) written as a plain loop keeps one
 // accumulator, so it runs at the add's latency, not at memory speed; and bf16 rows widened into
-// scratch first cost a store and a load per element. These 16-lane values (GCC/Clang vector
-// extensions: one AVX-512 register, two AVX2 ones, the same source for every x86 target) let a
-// kernel load and store T in place and keep several independent accumulators:
+// scratch first cost a store and a load per element. These 16-lane values let a kernel load and
+// store T in place and keep several independent accumulators, with the same source on every x86
+// target:
 //
 //   F32x16 a0{}, a1{};  for (...; i += 32) { a0 += sq(load16(x + i)); a1 += sq(load16(x + i + 16)); }
 //   const float s = hsum(a0 + a1);
+//
+// With AVX-512, F32x16 is a 64-byte vector (GCC/Clang vector extensions), one register. Without
+// it, a 64-byte vector has no register to live in and GCC keeps it in memory, moving it in 8-byte
+// pieces (a bf16 RMSNorm forward ran at 0.06x its f32 form so on an AVX2 EPYC); there F32x16 is
+// a pair of 8-lane vectors, each one AVX register, with the same operators. Kernels use only what
+// both forms have: + - * / (lane-wise, or with a float), unary -, += -= *=, and reading lane i.
 
-// On targets without AVX-512 both compilers note, at every use, that passing 64-byte vectors to
-// a function would follow a different ABI there. These values never cross a real call (every
-// function here is forced inline), so the note is switched off for the files that use them.
+// On targets without AVX-512 both compilers note, at every use, that passing 32- or 64-byte
+// vectors to a function would follow a different ABI there. These values never cross a real call
+// (every function here is forced inline), so the note is switched off for the files that use them.
 #if defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
+
+#if defined(__AVX512F__)
 
 using F32x16 = float __attribute__((vector_size(64)));
 using U32x16 = uint32_t __attribute__((vector_size(64)));
@@ -137,18 +145,11 @@ QUILT_VEC_INLINE F32x16 load16(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-/// Sixteen bf16 values widened to f32 (exact).
+/// Sixteen bf16 values widened to f32 (exact). (One vpmovzxwd of the whole register: GCC 12
+/// splits the generic conversion into 128-bit pieces and reassembles them.)
 QUILT_VEC_INLINE F32x16 load16(const BFloat16* p) {
-#if defined(__AVX512F__)
-  // (One vpmovzxwd of the whole register: GCC 12 splits the generic conversion below into
-  // 128-bit pieces and reassembles them.)
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return std::bit_cast<F32x16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#else
-  U16x16 h;
-  std::memcpy(&h, static_cast<const void*>(p), sizeof h);
-  return std::bit_cast<F32x16>(__builtin_convertvector(h, U32x16) << 16);
-#endif
 }
 // The stores go through memcpy, which may alias any object: a loop that stores lanes should read
 // its bounds from locals, or the compiler reloads them (from a lambda's captures, say) each step.
@@ -168,6 +169,103 @@ QUILT_VEC_INLINE void store16(BFloat16* p, const F32x16& v) {
   std::memcpy(static_cast<void*>(p), &h, sizeof h);
 #endif
 }
+/// Lane-wise max(a, b), b where either is NaN (the argument order of x86's maxps).
+QUILT_VEC_INLINE F32x16 max16(const F32x16& a, const F32x16& b) { return a > b ? a : b; }
+/// The lanes' sum in a fixed (pairwise) order: the halves' lanes added first, as below.
+QUILT_VEC_INLINE float hsum(const F32x16& v) {
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+#else  // two 8-lane halves
+
+using F32x8 = float __attribute__((vector_size(32)));
+using U32x8 = uint32_t __attribute__((vector_size(32)));
+using U16x8 = uint16_t __attribute__((vector_size(16)));
+
+struct F32x16 {
+  F32x8 lo{}, hi{};  // lanes 0-7, 8-15
+  QUILT_VEC_INLINE float operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+  QUILT_VEC_INLINE F32x16& operator+=(const F32x16& b) { lo += b.lo; hi += b.hi; return *this; }
+  QUILT_VEC_INLINE F32x16& operator-=(const F32x16& b) { lo -= b.lo; hi -= b.hi; return *this; }
+  QUILT_VEC_INLINE F32x16& operator*=(const F32x16& b) { lo *= b.lo; hi *= b.hi; return *this; }
+};
+#define QUILT_VEC_HALVES_OP(OP)                                                                              \
+  QUILT_VEC_INLINE F32x16 operator OP(const F32x16& a, const F32x16& b) { return {a.lo OP b.lo, a.hi OP b.hi}; } \
+  QUILT_VEC_INLINE F32x16 operator OP(float a, const F32x16& b) { return {a OP b.lo, a OP b.hi}; }           \
+  QUILT_VEC_INLINE F32x16 operator OP(const F32x16& a, float b) { return {a.lo OP b, a.hi OP b}; }
+QUILT_VEC_HALVES_OP(+)
+QUILT_VEC_HALVES_OP(-)
+QUILT_VEC_HALVES_OP(*)
+QUILT_VEC_HALVES_OP(/)
+#undef QUILT_VEC_HALVES_OP
+QUILT_VEC_INLINE F32x16 operator-(const F32x16& a) { return {-a.lo, -a.hi}; }
+
+QUILT_VEC_INLINE F32x16 splat16(float v) { return {F32x8{} + v, F32x8{} + v}; }
+QUILT_VEC_INLINE F32x16 load16(const float* p) {
+  F32x16 v;
+  std::memcpy(&v.lo, p, sizeof v.lo);
+  std::memcpy(&v.hi, p + 8, sizeof v.hi);
+  return v;
+}
+QUILT_VEC_INLINE F32x8 widen8(const BFloat16* p) {
+#if defined(__AVX2__)
+  // (One vpmovzxwd from memory: GCC 12 splits the generic conversion below into 128-bit pieces.)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return std::bit_cast<F32x8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  U16x8 h;
+  std::memcpy(&h, static_cast<const void*>(p), sizeof h);
+  return std::bit_cast<F32x8>(__builtin_convertvector(h, U32x8) << 16);
+#endif
+}
+/// Sixteen bf16 values widened to f32 (exact).
+QUILT_VEC_INLINE F32x16 load16(const BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+// The stores go through memcpy, which may alias any object: a loop that stores lanes should read
+// its bounds from locals, or the compiler reloads them (from a lambda's captures, say) each step.
+QUILT_VEC_INLINE void store16(float* p, const F32x16& v) {
+  std::memcpy(p, &v.lo, sizeof v.lo);
+  std::memcpy(p + 8, &v.hi, sizeof v.hi);
+}
+/// Eight f32 values as bf16 bits (as bf16_bits above, lane by lane), each in a 32-bit lane.
+QUILT_VEC_INLINE U32x8 bf16_bits8(const F32x8& v) {
+  const U32x8 u = std::bit_cast<U32x8>(v);
+  const U32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const U32x8 quiet = (u >> 16) | 0x40u;
+  const U32x8 nan = U32x8((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  return (quiet & nan) | (rounded & ~nan);
+}
+/// Sixteen f32 values rounded to bf16 as bf16_bits above.
+QUILT_VEC_INLINE void store16(BFloat16* p, const F32x16& v) {
+  const U32x8 lo = bf16_bits8(v.lo), hi = bf16_bits8(v.hi);
+#if defined(__AVX2__)
+  // Every lane is below 2^16, so packing with unsigned saturation keeps it; the pack interleaves
+  // the halves by 128-bit lane, and the permute puts the 64-bit quarters back in order.
+  const __m256i h = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(std::bit_cast<__m256i>(lo), std::bit_cast<__m256i>(hi)), 0xd8);
+  std::memcpy(static_cast<void*>(p), &h, sizeof h);
+#else
+  const U16x8 a = __builtin_convertvector(lo, U16x8), b = __builtin_convertvector(hi, U16x8);
+  std::memcpy(static_cast<void*>(p), &a, sizeof a);
+  std::memcpy(static_cast<void*>(p + 8), &b, sizeof b);
+#endif
+}
+/// Lane-wise max(a, b), b where either is NaN (the argument order of x86's maxps).
+QUILT_VEC_INLINE F32x16 max16(const F32x16& a, const F32x16& b) {
+  return {a.lo > b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi};
+}
+/// The lanes' sum in a fixed (pairwise) order, the same as with AVX-512.
+QUILT_VEC_INLINE float hsum(const F32x16& v) {
+  const F32x8 s8 = v.lo + v.hi;
+  float s4[4];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+#endif
+
 /// The lanes' maximum. With NaN lanes the result is one of the lanes, unspecified which (a row's
 /// exp(x - max) sum that follows still carries the NaN).
 QUILT_VEC_INLINE float hmax(const F32x16& v) {
@@ -175,41 +273,42 @@ QUILT_VEC_INLINE float hmax(const F32x16& v) {
   for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
-/// Lane-wise max(a, b), b where either is NaN (the argument order of x86's maxps).
-QUILT_VEC_INLINE F32x16 max16(const F32x16& a, const F32x16& b) { return a > b ? a : b; }
 
-/// exp of sixteen lanes by Eigen's packet exp on one AVX-512 register (Cephes' polynomial with its
-/// terms split for instruction-level parallelism); within 5 ulp from -87.3 to 88.3 (it loses ~0.05
-/// ulp per unit of |x|: the accuracy Eigen's array exp, which the kernels used before, always had).
-/// In a loop summing exp over an L1-resident row it ran 1.15x a version of our own on
-/// `vrndscaleps`/`vscalefps` (1.3 ulp) and 2x the scalar exp above vectorised, on an AVX-512 EPYC
-/// (family 26). The low end is made the scalar exp's: 0 below -87.34 (where f32 turns denormal;
-/// Eigen's gives ~3e-39 down to -inf); inf from 88.38 up (Eigen's 2^n overflows at n = 128; the
-/// scalar exp is finite to 88.72); NaN kept.
+/// exp of sixteen lanes by Eigen's packet exp (Cephes' polynomial with its terms split for
+/// instruction-level parallelism), on one AVX-512 register or two AVX ones; within 5 ulp from
+/// -87.3 to 88.3 (it loses ~0.05 ulp per unit of |x|: the accuracy Eigen's array exp, which the
+/// kernels used before, always had). In a loop summing exp over an L1-resident row it ran 1.15x a
+/// version of our own on `vrndscaleps`/`vscalefps` (1.3 ulp) and 2x the scalar exp above
+/// vectorised, on an AVX-512 EPYC (family 26). The low end is made the scalar exp's: 0 below
+/// -87.34 (where f32 turns denormal; Eigen's gives ~3e-39 down to -inf); inf from 88.38 up
+/// (Eigen's 2^n overflows at n = 128; the scalar exp is finite to 88.72); NaN kept.
+/// kFastExp16 tells the exp-bound kernels whether to take their exps in lanes (see nn.cpp). On an
+/// AVX2 EPYC (family 25) the two-half lanes ran the bf16 SwiGLU 1.13-1.32x, the f32 cross-entropy
+/// forward at 16384 x 4096 1.24x and the rest 0.9-1.2x their Eigen array forms (three
+/// alternating runs each), so AVX takes them as AVX-512 does.
 #if defined(EIGEN_VECTORIZE_AVX512)
 inline constexpr bool kFastExp16 = true;
 QUILT_VEC_INLINE F32x16 exp16(const F32x16& x) {
   const F32x16 y = std::bit_cast<F32x16>(Eigen::internal::pexp(std::bit_cast<__m512>(x)));
   return x < -87.33654f ? splat16(0.0f) : y;  // (NaN compares false: Eigen's NaN stays)
 }
+#elif defined(EIGEN_VECTORIZE_AVX)
+inline constexpr bool kFastExp16 = true;
+QUILT_VEC_INLINE F32x8 exp8(const F32x8& x) {
+  const F32x8 y = std::bit_cast<F32x8>(Eigen::internal::pexp(std::bit_cast<__m256>(x)));
+  return x < -87.33654f ? F32x8{} : y;
+}
+QUILT_VEC_INLINE F32x16 exp16(const F32x16& x) { return {exp8(x.lo), exp8(x.hi)}; }
 #else
-/// Without AVX-512 the scalar exp lane by lane: the same values, not the same speed, and
-/// kFastExp16 tells the kernels to keep their Eigen array form. (The sixteen-lane values as two
-/// AVX2 halves around Eigen's AVX exp ran at 0.4-0.5x that form, measured on AVX2 code.)
+/// Without AVX the scalar exp lane by lane: the same values, not the same speed, and kFastExp16
+/// tells the kernels to keep their Eigen array form.
 inline constexpr bool kFastExp16 = false;
 QUILT_VEC_INLINE F32x16 exp16(const F32x16& x) {
-  F32x16 y;
-  for (int i = 0; i < 16; ++i) y[i] = exp(x[i]);
-  return y;
+  float in[16], out[16];
+  store16(in, x);
+  for (int i = 0; i < 16; ++i) out[i] = exp(in[i]);
+  return load16(out);
 }
 #endif
-
-/// The lanes' sum in a fixed (pairwise) order.
-QUILT_VEC_INLINE float hsum(const F32x16& v) {
-  float s8[8], s4[4];
-  for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
-  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
 
 }  // namespace quilt::kernels::cpu::vec
