@@ -124,7 +124,8 @@ QUILT_VEC_INLINE void store(Half& dst, float v) { dst = Half(v); }
 // it, a 64-byte vector has no register to live in and GCC keeps it in memory, moving it in 8-byte
 // pieces (a bf16 RMSNorm forward ran at 0.06x its f32 form so on an AVX2 EPYC); there F32x16 is
 // a pair of 8-lane vectors, each one AVX register, with the same operators. Kernels use only what
-// both forms have: + - * / (lane-wise, or with a float), unary -, += -= *=, and reading lane i.
+// both forms have: + - * / (lane-wise, or with a float on either side), unary -, +=, and reading
+// lane i.
 
 // On targets without AVX-512 both compilers note, at every use, that passing 32- or 64-byte
 // vectors to a function would follow a different ABI there. These values never cross a real call
@@ -189,8 +190,6 @@ struct F32x16 {
   F32x8 lo{}, hi{};  // lanes 0-7, 8-15
   QUILT_VEC_INLINE float operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
   QUILT_VEC_INLINE F32x16& operator+=(const F32x16& b) { lo += b.lo; hi += b.hi; return *this; }
-  QUILT_VEC_INLINE F32x16& operator-=(const F32x16& b) { lo -= b.lo; hi -= b.hi; return *this; }
-  QUILT_VEC_INLINE F32x16& operator*=(const F32x16& b) { lo *= b.lo; hi *= b.hi; return *this; }
 };
 #define QUILT_VEC_HALVES_OP(OP)                                                                              \
   QUILT_VEC_INLINE F32x16 operator OP(const F32x16& a, const F32x16& b) { return {a.lo OP b.lo, a.hi OP b.hi}; } \

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <bit>
+#include <iterator>
 #include <limits>
 #include <vector>
 
@@ -157,4 +158,31 @@ TEST_CASE("vec_math: max16 and hmax find the largest lane") {
   for (int i = 0; i < 16; ++i) CHECK(m[i] == std::max(a[i], b[i]));
   CHECK(vec::hmax(m) == 7.5f);
   CHECK(vec::hmax(vec::splat16(-std::numeric_limits<float>::infinity())) == -std::numeric_limits<float>::infinity());
+}
+
+// The operators the kernels use, lane by lane against scalar arithmetic: one AVX-512 vector or,
+// without AVX-512, two 8-lane halves (where a lane mixed up between halves shows here).
+TEST_CASE("vec_math: sixteen-lane arithmetic is lane-wise, with floats on either side") {
+  float a[16], b[16], out[16];
+  for (int i = 0; i < 16; ++i) {
+    a[i] = 1.5f + float(i) * 0.25f;
+    b[i] = -3.0f + float(i * i) * 0.125f;
+  }
+  const vec::F32x16 va = vec::load16(a), vb = vec::load16(b);
+  vec::F32x16 acc = va;
+  acc += vb;
+  const vec::F32x16 results[] = {va + vb, va - vb, va * vb, va / vb, 2.0f * va, va * 2.0f, 1.0f - vb,
+                                 vb - 1.0f, 3.0f / va, va / 4.0f, 5.0f + va, va + 5.0f, -va, acc};
+  for (size_t k = 0; k < std::size(results); ++k) {
+    vec::store16(out, results[k]);
+    for (int i = 0; i < 16; ++i) {
+      CAPTURE(k);
+      CAPTURE(i);
+      const float want[] = {a[i] + b[i], a[i] - b[i], a[i] * b[i], a[i] / b[i], 2.0f * a[i], a[i] * 2.0f,
+                            1.0f - b[i], b[i] - 1.0f, 3.0f / a[i], a[i] / 4.0f, 5.0f + a[i], a[i] + 5.0f,
+                            -a[i], a[i] + b[i]};
+      CHECK(out[i] == want[k]);
+      CHECK(results[k][i] == want[k]);
+    }
+  }
 }
