@@ -171,11 +171,13 @@ inline float row_sum16(int64_t n, F16&& add16, F1&& f1) {
 
 // Where the CPU has AVX or AVX-512 (vec::kFastExp16), the exp-bound kernels (SwiGLU, cross
 // entropy) can take the exp in sixteen lanes (vec::exp16), T read and written in place. In
-// alternating runs against Eigen's array form (docs/PERF.md, 2026-12-06 on AVX-512, 2026-12-07 on
-// AVX2) that won for the bf16 kernels (no widened copy of the rows and no narrowing pass) and, in
-// f32, for the SwiGLU backward and the cross-entropy forward (which prefetches the next row); the
-// f32 SwiGLU forward and cross-entropy backward measured within the noise or below and stay on
-// Eigen, as does everything without AVX, f64, f16.
+// alternating runs against Eigen's array form (docs/PERF.md) that won on AVX-512 for every bf16
+// kernel (no widened copy of the rows and no narrowing pass) and, in f32, for the SwiGLU backward
+// and the cross-entropy forward (which prefetches the next row); on AVX2 for the bf16 SwiGLU
+// (1.13-1.32x) and the f32 cross-entropy forward at 16384 rows (1.24x), with the bf16 cross
+// entropy and the f32 SwiGLU backward within the noise (0.91-1.21x). The f32 SwiGLU forward and
+// cross-entropy backward measured within the noise or below and stay on Eigen, as does
+// everything without AVX, f64, f16.
 template <class T>
 constexpr bool kExpLanes = vec::kFastExp16 && kLanes16<T>;
 template <class T>
@@ -669,9 +671,9 @@ void swiglu_fwd(T* out, const T* gate, const T* up, int64_t n) {
   });
 }
 
-// Without AVX the backward's sigmoid by vec::exp in one vectorised loop over the block (Eigen's
-// array form took three passes over it and a division per element that did not pipeline); f64
-// and f16 keep the Eigen form.
+// Where the lanes are not taken (f16, or no AVX) the backward's sigmoid by vec::exp in one
+// vectorised loop over the block (Eigen's array form took three passes over it and a division per
+// element that did not pipeline); f64 keeps the Eigen form.
 template <class T>
 void swiglu_bwd(T* ggate, T* gup, const T* gout, const T* gate, const T* up, int64_t n) {
   using C = compute_t<T>;

@@ -1,6 +1,7 @@
 // Element functions for loops the compiler vectorises for the build's target (AVX2, AVX-512;
 // not SSE-only builds, where the selects stay branches): branchless, no calls into libm,
-// integer tricks through std::bit_cast. Used by the SwiGLU backward's block loop without AVX;
+// integer tricks through std::bit_cast. Used by the SwiGLU backward's block loop where the lanes
+// are not taken (f16, or no AVX);
 // load/store let a loop read and write bf16 in place. Sixteen-lane values (F32x16, below) carry
 // the norms, RoPE and, with AVX or AVX-512, the exp-bound SwiGLU and cross entropy (exp16).
 //
@@ -123,7 +124,8 @@ QUILT_VEC_INLINE void store(Half& dst, float v) { dst = Half(v); }
 // With AVX-512, F32x16 is a 64-byte vector (GCC/Clang vector extensions), one register. Without
 // it, a 64-byte vector has no register to live in and GCC keeps it in memory, moving it in 8-byte
 // pieces (a bf16 RMSNorm forward ran at 0.06x its f32 form so on an AVX2 EPYC); there F32x16 is
-// a pair of 8-lane vectors, each one AVX register, with the same operators. Kernels use only what
+// a pair of 8-lane vectors (each one AVX register; on SSE-only builds two SSE ones, or memory),
+// with the same operators. Kernels use only what
 // both forms have: + - * / (lane-wise, or with a float on either side), unary -, +=, and reading
 // lane i.
 
@@ -287,8 +289,10 @@ QUILT_VEC_INLINE float hmax(const F32x16& v) {
 /// kernels used before, always had). In a loop summing exp over an L1-resident row it ran 1.15x a
 /// version of our own on `vrndscaleps`/`vscalefps` (1.3 ulp) and 2x the scalar exp above
 /// vectorised, on an AVX-512 EPYC (family 26). The low end is made the scalar exp's: 0 below
-/// -87.34 (where f32 turns denormal; Eigen's gives ~3e-39 down to -inf); inf from 88.38 up
-/// (Eigen's 2^n overflows at n = 128; the scalar exp is finite to 88.72); NaN kept.
+/// -87.34 (where f32 turns denormal; Eigen's gives ~3e-39 down to -inf); at the top, inf from
+/// 88.38 up with AVX-512 (Eigen's 2^n overflows at n = 128), from 88.72 with AVX (Eigen's generic
+/// float exp clamps there, as the scalar exp does); NaN kept. (The ulp figures above are the
+/// AVX-512 form's; the AVX form splits ln 2 in two and loses less.)
 /// kFastExp16 tells the exp-bound kernels whether to take their exps in lanes (see nn.cpp). On an
 /// AVX2 EPYC (family 25) the two-half lanes ran the bf16 SwiGLU 1.13-1.32x, the f32 cross-entropy
 /// forward at 16384 x 4096 1.24x and the rest 0.9-1.2x their Eigen array forms (three

@@ -24,7 +24,7 @@ TEST_CASE("autograd: a leaf accumulates gradients across two backward calls") {
   CHECK_FALSE(x.grad().requires_grad());
 }
 
-TEST_CASE("autograd: a second backward needs retain_graph; with it gradients double") {
+TEST_CASE("autograd: a second backward needs retain_graph, and with it gradients double") {
   Tensor x = vec({1, 2});
   Tensor y = (x * x).sum();
   y.backward();

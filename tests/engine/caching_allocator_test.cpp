@@ -447,7 +447,7 @@ TEST_CASE("caching pool: a capture allocates from a private pool and queries no 
   pool.deallocate(z);
 }
 
-TEST_CASE("caching pool: a later capture may share a private pool; release_pool hands it back") {
+TEST_CASE("caching pool: a later capture may share a private pool, and release_pool hands it back") {
   FakeDevice dev(64 * kMiB);
   CachingPool pool(dev, "fake:0");
   const int id = pool.begin_capture(kStreamA);

@@ -333,7 +333,7 @@ TEST_CASE("cuda: SGD with momentum and Nesterov on the GPU matches the CPU over 
   check_optimizer_steps<SGD>("sgd plain", DType::f32, plain, 1e-5, 1e-6);
 }
 
-TEST_CASE("cuda: AdamW in a CUDA graph: replays with staged lr and step counts equal eager steps; skip leaves all as it was") {
+TEST_CASE("cuda: AdamW in a CUDA graph: replays with staged lr and step counts equal eager steps, and skip leaves all as it was") {
   SKIP_WITHOUT_CUDA();
   const AdamWOptions o{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
   std::vector<Tensor> pe = opt_params(DType::bf16, kGpu), pg = opt_params(DType::bf16, kGpu);

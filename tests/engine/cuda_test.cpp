@@ -327,7 +327,7 @@ TEST_CASE("cuda: work on a side stream is ordered with events and copies round-t
   check_equal(gpu(x).to(Device::cpu()), x, "host -> device -> host");
 }
 
-TEST_CASE("cuda: non-blocking copies between pinned memory and the GPU; a pinned block is not reused under a copy") {
+TEST_CASE("cuda: non-blocking copies between pinned memory and the GPU, and a pinned block is not reused under a copy") {
   SKIP_WITHOUT_CUDA();
   const Tensor x = randn({1 << 20}, RngKey(62, "x"));
   Tensor pinned = Tensor::empty(x.shape(), {.dtype = DType::f32, .pinned = true});

@@ -107,7 +107,7 @@ TEST_CASE("host allocator: Storage reuses cached blocks, and resize_ to the same
   CHECK(after.allocated == before.allocated);
 }
 
-TEST_CASE("host allocator: cached bytes never exceed the cap; the least recently freed blocks go back first") {
+TEST_CASE("host allocator: cached bytes never exceed the cap, and the least recently freed blocks go back first") {
   LimitGuard limit(int64_t(3 * kMiB));
   const MemoryStats base = cpu_memory_stats();
   std::vector<void*> blocks;

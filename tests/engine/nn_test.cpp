@@ -226,7 +226,7 @@ TEST_CASE("nn: init depends only on seed and name, not on construction order") {
                        Error);
 }
 
-TEST_CASE("nn: train and eval propagate to every descendant; dropout is the identity in eval") {
+TEST_CASE("nn: train and eval propagate to every descendant, and dropout is the identity in eval") {
   Generator gen(5);
   auto seq = std::make_shared<Sequential>();
   seq->push_back(std::make_shared<Linear>(4, 4));

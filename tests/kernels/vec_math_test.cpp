@@ -77,7 +77,7 @@ TEST_CASE("vec_math: bf16 rounding equals float_to_bf16_bits: ties, NaN, inf, de
   }
 }
 
-TEST_CASE("vec_math: sixteen lanes load and round bf16 like the scalar forms; hsum adds every lane") {
+TEST_CASE("vec_math: sixteen lanes load and round bf16 like the scalar forms, and hsum adds every lane") {
   std::vector<uint32_t> bits = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x3f807fffu, 0x7f800000u, 0xff800000u,
                                 0x7fc00000u, 0x7f800001u, 0xff812345u, 0x7f7f7fffu, 0x7f7f8000u, 0x7f7fffffu,
                                 0x00000000u, 0x80000000u, 0x00800000u, 0x00000001u, 0x807fffffu};

@@ -412,7 +412,7 @@ TEST_CASE("fully_shard: deferred sync accumulates micro-batches and reduces once
   });
 }
 
-TEST_CASE("fully_shard: reduce_dtype bf16 reduce-scatters in bf16; param_dtype bf16 gathers in bf16") {
+TEST_CASE("fully_shard: reduce_dtype bf16 reduce-scatters in bf16, and param_dtype bf16 gathers in bf16") {
   const auto ref = reference_grads(2);
   run_threads_group(2, [&](Communicator& c) {
     DeviceMesh mesh(c.shared_from_this(), {2}, {"dp_shard"});

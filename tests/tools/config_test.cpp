@@ -404,7 +404,7 @@ TEST_CASE("config: model.pretrained is a path or none and must not be empty") {
         std::string::npos);
 }
 
-TEST_CASE("config: moe keys off their defaults warn once each that they are ignored; pipeline keys do not") {
+TEST_CASE("config: moe keys off their defaults warn once each that they are ignored, and pipeline keys do not") {
   CHECK(parse(kMinimal).warnings.empty());
   CHECK(load_recipe(recipe_path("llama_tiny.yaml")).warnings.empty());  // it spells out the defaults
   RecipeConfig c = parse(kMinimal, {"distributed.moe.reshard_after_forward=true",
@@ -507,7 +507,7 @@ TEST_CASE("config: packing needs one row per micro-batch, rows of train.seq_len 
                        Error);
 }
 
-TEST_CASE("config: distributed.cp_comm_type takes ring or all_gather or a2a; a2a needs heads cp can cut") {
+TEST_CASE("config: distributed.cp_comm_type takes ring or all_gather or a2a, and a2a needs heads cp can cut") {
   CHECK(parse(kMinimal).distributed.cp_comm_type == "ring");
   CHECK(parse(kMinimal, {"distributed.cp_comm_type=a2a"}).distributed.cp_comm_type == "a2a");
   CHECK_THROWS_WITH_AS(parse(kMinimal, {"distributed.cp_comm_type=ulysses"}),

@@ -556,7 +556,7 @@ int64_t check_packed_rows(const Batch& b, const std::vector<std::vector<PackedPi
 
 }  // namespace
 
-TEST_CASE("packing: rows hold whole documents greedily, long ones cut into rows; positions restart, targets stop at each end") {
+TEST_CASE("packing: rows hold whole documents greedily (long ones cut into rows), positions restart and targets stop at each end") {
   TempDir dir("pack_six");
   LoaderOptions o = packing(8, 5);
   o.shuffle = false;

@@ -7,7 +7,7 @@
 
 using namespace quilt;
 
-TEST_CASE("metrics: the host's peak is a GEMM measured once per dtype; a GPU's is a Hopper's; the variable overrides") {
+TEST_CASE("metrics: the host's peak is a GEMM measured once per dtype, a GPU's is a Hopper's, and the variable overrides") {
   unsetenv("QUILT_PEAK_TFLOPS");
   const double f32 = peak_tflops_per_rank(Device::cpu(), DType::f32);
   CHECK(f32 > 0.001);  // any CPU multiplies 1024^3 at over 1 GFLOP/s
