@@ -47,19 +47,14 @@ inline void narrow_n(T* __restrict dst, const C* __restrict src, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512BF16__)
     // The CPU's own conversion, 16 at a time: round to nearest even and NaN kept quiet as
-    // below, except that it flushes inputs below 2^-126 to zero (bf16 denormals, far under
-    // anything a training step produces).
+    // vec::bf16_bits below, except that it flushes inputs below 2^-126 to zero (bf16 denormals,
+    // far under anything a training step produces).
     for (; i + 16 <= n; i += 16) {
       const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
       std::memcpy(b + i, &h, sizeof h);
     }
 #endif
-    for (; i < n; ++i) {
-      const uint32_t u = std::bit_cast<uint32_t>(src[i]);
-      const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // to nearest even
-      const uint32_t quiet = (u >> 16) | 0x40u;                           // NaN stays NaN
-      b[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-    }
+    for (; i < n; ++i) b[i] = vec::bf16_bits(src[i]);
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
   }

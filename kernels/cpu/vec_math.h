@@ -94,14 +94,19 @@ QUILT_VEC_INLINE float load(float f) { return f; }
 QUILT_VEC_INLINE double load(double f) { return f; }
 QUILT_VEC_INLINE float load(Half h) { return float(h); }  // scalar: f16 rows are rare
 
+/// The bf16 bits of f32 bit patterns u (a uint32_t or a vector of them), in the low 16 bits: u
+/// rounded to nearest even, and u's NaN quieted; which applies is the caller's select.
+template <class U>
+QUILT_VEC_INLINE U bf16_rounded(U u) { return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; }
+template <class U>
+QUILT_VEC_INLINE U bf16_quiet(U u) { return (u >> 16) | 0x40u; }
+
 /// f32 -> bf16 bits, round to nearest even, NaN kept NaN (quieted): float_to_bf16_bits of
 /// kernels/dtype.h bit for bit (denormals rounded, not flushed), written with a select instead
 /// of its early return so a loop of it vectorises.
 QUILT_VEC_INLINE uint16_t bf16_bits(float f) {
   const uint32_t u = std::bit_cast<uint32_t>(f);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t quiet = (u >> 16) | 0x40u;
-  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? bf16_quiet(u) : bf16_rounded(u));
 }
 
 /// Stores an f32 result as T: rounded to bf16 as above, or as is.
@@ -125,9 +130,8 @@ QUILT_VEC_INLINE void store(Half& dst, float v) { dst = Half(v); }
 // it, a 64-byte vector has no register to live in and GCC keeps it in memory, moving it in 8-byte
 // pieces (a bf16 RMSNorm forward ran at 0.06x its f32 form so on an AVX2 EPYC); there F32x16 is
 // a pair of 8-lane vectors (each one AVX register; on SSE-only builds two SSE ones, or memory),
-// with the same operators. Kernels use only what
-// both forms have: + - * / (lane-wise, or with a float on either side), unary -, +=, and reading
-// lane i.
+// with the same operators. Kernels use only what both forms have: + - * / (lane-wise, or with a
+// float on either side), unary -, +=, and reading lane i.
 
 // On targets without AVX-512 both compilers note, at every use, that passing 32- or 64-byte
 // vectors to a function would follow a different ABI there. These values never cross a real call
@@ -165,22 +169,13 @@ QUILT_VEC_INLINE void store16(BFloat16* p, const F32x16& v) {
   std::memcpy(static_cast<void*>(p), &h, sizeof h);
 #else
   const U32x16 u = std::bit_cast<U32x16>(v);
-  const U32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const U32x16 quiet = (u >> 16) | 0x40u;
   const U32x16 nan = U32x16((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
-  const U16x16 h = __builtin_convertvector((quiet & nan) | (rounded & ~nan), U16x16);
+  const U16x16 h = __builtin_convertvector((bf16_quiet(u) & nan) | (bf16_rounded(u) & ~nan), U16x16);
   std::memcpy(static_cast<void*>(p), &h, sizeof h);
 #endif
 }
 /// Lane-wise max(a, b), b where either is NaN (the argument order of x86's maxps).
 QUILT_VEC_INLINE F32x16 max16(const F32x16& a, const F32x16& b) { return a > b ? a : b; }
-/// The lanes' sum in a fixed (pairwise) order: the halves' lanes added first, as below.
-QUILT_VEC_INLINE float hsum(const F32x16& v) {
-  float s8[8], s4[4];
-  for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
-  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
 
 #else  // two 8-lane halves
 
@@ -233,8 +228,7 @@ QUILT_VEC_INLINE void store16(float* p, const F32x16& v) {
 /// Eight f32 values as bf16 bits (as bf16_bits above, lane by lane), each in a 32-bit lane.
 QUILT_VEC_INLINE U32x8 bf16_bits8(const F32x8& v) {
   const U32x8 u = std::bit_cast<U32x8>(v);
-  const U32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const U32x8 quiet = (u >> 16) | 0x40u;
+  const U32x8 rounded = bf16_rounded(u), quiet = bf16_quiet(u);
 #if defined(__AVX__)
   // NaN lanes by an unordered compare and a blend (the normalise-and-store loop of an L1-resident
   // bf16 row ran 1.15x the integer test below on an AVX2 EPYC; the same bits).
@@ -265,16 +259,15 @@ QUILT_VEC_INLINE void store16(BFloat16* p, const F32x16& v) {
 QUILT_VEC_INLINE F32x16 max16(const F32x16& a, const F32x16& b) {
   return {a.lo > b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi};
 }
-/// The lanes' sum in a fixed (pairwise) order, the same as with AVX-512.
+#endif
+
+/// The lanes' sum in a fixed (pairwise) order.
 QUILT_VEC_INLINE float hsum(const F32x16& v) {
-  const F32x8 s8 = v.lo + v.hi;
-  float s4[4];
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = v[i] + v[i + 8];
   for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
-
-#endif
-
 /// The lanes' maximum. With NaN lanes the result is one of the lanes, unspecified which (a row's
 /// exp(x - max) sum that follows still carries the NaN).
 QUILT_VEC_INLINE float hmax(const F32x16& v) {
