@@ -56,35 +56,59 @@ double as_double(T x) {
   else return double(float(x));
 }
 
-// Runs one case in dtype T (float, double, BFloat16, Half) and returns the largest error
-// relative to the reference's scale (sqrt(k) for sums of k unit-size products).
+// One case's operands in dtype T (float, double, BFloat16, Half), and the float64 reference of
+// exactly those values: made once, then run on every library (the reference of the largest
+// 16-bit cases costs more than their GEMMs, and far more under the sanitizers).
 template <class T>
-double max_error(const Case& c, DType dt) {
-  const int64_t ar = c.ta ? c.k : c.m, ac = (c.ta ? c.m : c.k) + c.pad;
-  const int64_t br = c.tb ? c.n : c.k, bc = (c.tb ? c.k : c.n) + c.pad;
-  const int64_t ldc = c.n + c.pad;
-  auto av = random_values(ar * ac, 1), bv = random_values(br * bc, 2), cv = random_values(c.m * ldc, 3);
+struct Prepared {
+  Case c;
+  int64_t ac = 0, bc = 0, ldc = 0;
+  std::vector<T> A = {}, B = {}, C0 = {};
+  std::vector<double> cv = {}, want = {};
+};
+
+template <class T>
+Prepared<T> prepare(const Case& c) {
+  Prepared<T> p{.c = c};
+  const int64_t ar = c.ta ? c.k : c.m, br = c.tb ? c.n : c.k;
+  p.ac = (c.ta ? c.m : c.k) + c.pad, p.bc = (c.tb ? c.k : c.n) + c.pad, p.ldc = c.n + c.pad;
+  auto av = random_values(ar * p.ac, 1), bv = random_values(br * p.bc, 2);
+  p.cv = random_values(c.m * p.ldc, 3);
   // Round the inputs to T first, so the reference sees exactly what the kernel sees.
-  std::vector<T> A(av.size()), B(bv.size()), C(cv.size());
-  for (size_t i = 0; i < av.size(); ++i) av[i] = as_double(A[i] = T(float(av[i])));
-  for (size_t i = 0; i < bv.size(); ++i) bv[i] = as_double(B[i] = T(float(bv[i])));
-  for (size_t i = 0; i < cv.size(); ++i) cv[i] = as_double(C[i] = T(float(cv[i])));
-  const auto want = reference(c, av, ac, bv, bc, cv, ldc);
-  GemmArgs g{.m = c.m, .n = c.n, .k = c.k, .trans_a = c.ta, .trans_b = c.tb, .a = A.data(), .lda = ac,
-             .b = B.data(), .ldb = bc, .c = C.data(), .ldc = ldc, .alpha = c.alpha, .beta = c.beta};
+  p.A.resize(av.size()), p.B.resize(bv.size()), p.C0.resize(p.cv.size());
+  for (size_t i = 0; i < av.size(); ++i) av[i] = as_double(p.A[i] = T(float(av[i])));
+  for (size_t i = 0; i < bv.size(); ++i) bv[i] = as_double(p.B[i] = T(float(bv[i])));
+  for (size_t i = 0; i < p.cv.size(); ++i) p.cv[i] = as_double(p.C0[i] = T(float(p.cv[i])));
+  p.want = reference(c, av, p.ac, bv, p.bc, p.cv, p.ldc);
+  return p;
+}
+
+// Runs a prepared case on the library in use and returns the largest error relative to the
+// reference's scale (sqrt(k) for sums of k unit-size products).
+template <class T>
+double error_of(const Prepared<T>& p, DType dt) {
+  const Case& c = p.c;
+  std::vector<T> A = p.A, B = p.B, C = p.C0;
+  GemmArgs g{.m = c.m, .n = c.n, .k = c.k, .trans_a = c.ta, .trans_b = c.tb, .a = A.data(), .lda = p.ac,
+             .b = B.data(), .ldb = p.bc, .c = C.data(), .ldc = p.ldc, .alpha = c.alpha, .beta = c.beta};
   cpu::gemm(dt, g);
   double err = 0;
   const double scale = std::sqrt(double(std::max<int64_t>(c.k, 1))) + 1.0;
   for (int64_t i = 0; i < c.m; ++i)
-    for (int64_t j = 0; j < ldc; ++j) {
-      const double got = as_double(C[size_t(i * ldc + j)]);
+    for (int64_t j = 0; j < p.ldc; ++j) {
+      const double got = as_double(C[size_t(i * p.ldc + j)]);
       if (j >= c.n) {  // the padding columns of C are never written
-        if (got != cv[size_t(i * ldc + j)]) return 1e30;
+        if (got != p.cv[size_t(i * p.ldc + j)]) return 1e30;
         continue;
       }
-      err = std::max(err, std::abs(got - want[size_t(i * ldc + j)]) / scale);
+      err = std::max(err, std::abs(got - p.want[size_t(i * p.ldc + j)]) / scale);
     }
   return err;
+}
+
+template <class T>
+double max_error(const Case& c, DType dt) {
+  return error_of(prepare<T>(c), dt);
 }
 
 const std::vector<Case> kCases = {
@@ -143,12 +167,15 @@ TEST_CASE("gemm libraries: every one present matches float64 in f32, f64, bf16 a
 
 TEST_CASE("gemm libraries: 16-bit GEMMs larger than one row panel, and batches") {
   // n = 40000 makes the panel 256 rows, so m = 600 runs three panels (the last one partial).
+  const auto bf16_nn = prepare<BFloat16>({600, 40000, 3, false, false, 0, 1.0f, 0.0f});
+  const auto bf16_tt = prepare<BFloat16>({600, 40000, 3, true, true, 1, 1.0f, 1.0f});
+  const auto f16_tn = prepare<Half>({520, 40000, 2, true, false, 0, 1.0f, 0.25f});
   for (const std::string& lib : cpu::gemm_backends()) {
     ScopedLib use(lib);
     CAPTURE(lib);
-    CHECK(max_error<BFloat16>({600, 40000, 3, false, false, 0, 1.0f, 0.0f}, DType::bf16) < 2e-2);
-    CHECK(max_error<BFloat16>({600, 40000, 3, true, true, 1, 1.0f, 1.0f}, DType::bf16) < 2e-2);
-    CHECK(max_error<Half>({520, 40000, 2, true, false, 0, 1.0f, 0.25f}, DType::f16) < 3e-3);
+    CHECK(error_of(bf16_nn, DType::bf16) < 2e-2);
+    CHECK(error_of(bf16_tt, DType::bf16) < 2e-2);
+    CHECK(error_of(f16_tn, DType::f16) < 3e-3);
   }
   // Batches (small ones run in parallel over the batch, large ones one after another).
   for (int64_t m : {8, 300}) {
