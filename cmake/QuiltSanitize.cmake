@@ -6,7 +6,7 @@
 # QUILT_SANITIZE instruments every target of the tree (library, tests, tools) and makes any
 # sanitizer report fatal, so a report fails its test. QUILT_FUZZ adds libFuzzer's coverage
 # instrumentation (clang's -fsanitize=fuzzer-no-link) to the same objects and builds the
-# targets of tests/fuzz/.
+# targets of tests/fuzz/ (the coverage only in the sources tests/fuzz/coverage.allow names).
 set(QUILT_SANITIZE "" CACHE STRING "Sanitizers for every target, e.g. address,undefined (empty: none)")
 option(QUILT_FUZZ "Build the libFuzzer targets of tests/fuzz/ (needs clang)" OFF)
 
@@ -19,5 +19,7 @@ if(QUILT_FUZZ)
     message(FATAL_ERROR "QUILT_FUZZ=ON needs clang (libFuzzer), not ${CMAKE_CXX_COMPILER_ID}: "
                         "configure with -DCMAKE_CXX_COMPILER=clang++")
   endif()
-  add_compile_options(-fsanitize=fuzzer-no-link)
+  # Coverage counters only where the fuzz targets look (tests/fuzz/coverage.allow).
+  add_compile_options(-fsanitize=fuzzer-no-link
+                      -fsanitize-coverage-allowlist=${CMAKE_CURRENT_SOURCE_DIR}/tests/fuzz/coverage.allow)
 endif()
