@@ -3,8 +3,6 @@
 // operands swapped and the same leading dimensions. f32 and f64 stay exact (no TF32); bf16 and
 // f16 multiply on tensor cores with f32 accumulation. Batches whose offsets form one stride
 // each (broadcast = stride 0) use the strided-batched call; others a pointer-array call.
-#include <cublas_v2.h>
-
 #include <climits>
 #include <map>
 #include <string>
@@ -12,6 +10,7 @@
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cublas_api.h"
 #include "kernels/cuda/kernels.h"
 
 namespace quilt::kernels::cuda {
@@ -33,11 +32,11 @@ cublasHandle_t blas_for(cudaStream_t stream) {
   int dev = 0;
   QUILT_CHECK_CUDA(cudaGetDevice(&dev));
   cublasHandle_t& h = t->handles[dev];
-  if (!h) QUILT_CHECK_CUBLAS(cublasCreate(&h));
-  QUILT_CHECK_CUBLAS(cublasSetStream(h, stream));
+  if (!h) QUILT_CHECK_CUBLAS(cublas().create(&h));
+  QUILT_CHECK_CUBLAS(cublas().set_stream(h, stream));
   void*& ws = t->workspaces[{dev, stream}];
   if (!ws) ws = workspace_alloc(kWorkspaceBytes, stream);  // kept with the handle
-  QUILT_CHECK_CUBLAS(cublasSetWorkspace(h, ws, kWorkspaceBytes));
+  QUILT_CHECK_CUBLAS(cublas().set_workspace(h, ws, kWorkspaceBytes));
   return h;
 }
 
@@ -125,13 +124,13 @@ void gemm(DType dt, const GemmArgs& g, void* stream) {
   const char* b = static_cast<const char*>(g.b);
   char* c = static_cast<char*>(g.c);
   if (batch == 1) {
-    QUILT_CHECK_CUBLAS(cublasGemmEx(h, op_b, op_a, n, m, k, alpha, b + b0 * int64_t(es), ty.data, ldb,
-                                    a + a0 * int64_t(es), ty.data, lda, beta, c + c0 * int64_t(es), ty.data, ldc,
-                                    ty.compute, CUBLAS_GEMM_DEFAULT));
+    QUILT_CHECK_CUBLAS(cublas().gemm_ex(h, op_b, op_a, n, m, k, alpha, b + b0 * int64_t(es), ty.data, ldb,
+                                        a + a0 * int64_t(es), ty.data, lda, beta, c + c0 * int64_t(es), ty.data,
+                                        ldc, ty.compute, CUBLAS_GEMM_DEFAULT));
     return;
   }
   if (ua && ub && uc) {
-    QUILT_CHECK_CUBLAS(cublasGemmStridedBatchedEx(
+    QUILT_CHECK_CUBLAS(cublas().gemm_strided_batched_ex(
         h, op_b, op_a, n, m, k, alpha, b + b0 * int64_t(es), ty.data, ldb, bs, a + a0 * int64_t(es), ty.data, lda, as,
         beta, c + c0 * int64_t(es), ty.data, ldc, cs, batch, ty.compute, CUBLAS_GEMM_DEFAULT));
     return;
@@ -149,9 +148,9 @@ void gemm(DType dt, const GemmArgs& g, void* stream) {
   QUILT_CHECK_CUDA(cudaMemcpyAsync(dev, ptrs.data(), bytes, cudaMemcpyHostToDevice, s));
   const void* const* dp = static_cast<const void* const*>(dev);
   const cublasStatus_t st =
-      cublasGemmBatchedEx(h, op_b, op_a, n, m, k, alpha, dp, ty.data, ldb, dp + batch, ty.data, lda, beta,
-                          const_cast<void* const*>(dp + 2 * batch), ty.data, ldc, batch, ty.compute,
-                          CUBLAS_GEMM_DEFAULT);
+      cublas().gemm_batched_ex(h, op_b, op_a, n, m, k, alpha, dp, ty.data, ldb, dp + batch, ty.data, lda, beta,
+                               const_cast<void* const*>(dp + 2 * batch), ty.data, ldc, batch, ty.compute,
+                               CUBLAS_GEMM_DEFAULT);
   workspace_free(dev, s);  // before checking, so a failed call does not leak it
   QUILT_CHECK_CUBLAS(st);
 }

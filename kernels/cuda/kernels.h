@@ -49,6 +49,14 @@ void cross_entropy_backward(DType dt, void* grad_logits, const void* logits, con
 /// True when kernels were compiled into this build.
 bool compiled();
 
+/// cuBLAS is opened (dlopen) at the first GEMM on a GPU, not linked: a process that links it
+/// loads cuBLAS and the cuBLASLt under it at start-up, about 0.2 s of CPU on an AVX2 EPYC (most
+/// of a CPU test's start), GPU or not. Whether this process has opened it; and open it now from
+/// `lib` (a soname or a path; empty: this build's libcublas.so.<CUDA major>), which throws naming
+/// the library, or the entry point it lacks. Builds without CUDA: false, and the stub's error.
+bool cublas_loaded();
+void load_cublas(const std::string& lib = {});
+
 /// Bad input a kernel finds on the device, where it cannot stop (an index or a target out of
 /// range): it does what keeps memory safe (reads zero, skips, or writes NaN) and reports here.
 /// The first report on a device since the last take_device_error() wins; the engine takes it at

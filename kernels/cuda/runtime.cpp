@@ -1,16 +1,18 @@
 // Host-side helpers of the CUDA kernels: error throwing for QUILT_CHECK_CUDA / QUILT_CHECK_CUBLAS,
-// the cached multiprocessor count, compiled(), the scratch-memory hook and the device-side
-// error reports.
-#include <cublas_v2.h>
+// cuBLAS opened at its first use, the cached multiprocessor count, compiled(), the scratch-memory
+// hook and the device-side error reports.
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <array>
 #include <atomic>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/check.cuh"
+#include "kernels/cuda/cublas_api.h"
 #include "kernels/cuda/kernels.h"
 
 namespace quilt::kernels::cuda {
@@ -26,7 +28,54 @@ const char* short_path(const char* file) {
   return file;
 }
 
+// The name of an entry point as the headers spell it after their macros (cublasCreate is
+// cublasCreate_v2).
+#define QUILT_CUBLAS_NAME(fn) QUILT_CUBLAS_NAME_(fn)
+#define QUILT_CUBLAS_NAME_(fn) #fn
+
+CublasApi open_cublas(const std::string& lib) {
+  // The soname first (LD_LIBRARY_PATH, our RUNPATH, the loader's cache), then the toolkit's
+  // directory this build was configured with.
+  void* h = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
+  std::string why = h ? "" : dlerror();
+  if (!h && lib == QUILT_CUBLAS_LIB) h = dlopen(QUILT_CUDA_LIBDIR "/" QUILT_CUBLAS_LIB, RTLD_NOW | RTLD_LOCAL);
+  if (!h)
+    throw std::runtime_error("[cublas] " + lib + " could not be opened (" + why +
+                             "): GPU GEMMs need the CUDA toolkit's cuBLAS on the library path");
+  CublasApi api;
+  auto get = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+    if (!fn) throw std::runtime_error("[cublas] " + lib + " has no " + name + ": not the cuBLAS this build needs");
+  };
+  get(api.create, QUILT_CUBLAS_NAME(cublasCreate));
+  get(api.set_stream, QUILT_CUBLAS_NAME(cublasSetStream));
+  get(api.set_workspace, QUILT_CUBLAS_NAME(cublasSetWorkspace));
+  get(api.status_string, QUILT_CUBLAS_NAME(cublasGetStatusString));
+  get(api.gemm_ex, QUILT_CUBLAS_NAME(cublasGemmEx));
+  get(api.gemm_strided_batched_ex, QUILT_CUBLAS_NAME(cublasGemmStridedBatchedEx));
+  get(api.gemm_batched_ex, QUILT_CUBLAS_NAME(cublasGemmBatchedEx));
+  return api;
+}
+
+std::atomic<bool> g_cublas_loaded{false};
+
 }  // namespace
+
+const CublasApi& cublas() {
+  static const CublasApi api = [] {
+    CublasApi a = open_cublas(QUILT_CUBLAS_LIB);
+    g_cublas_loaded.store(true);
+    return a;
+  }();
+  return api;
+}
+
+bool cublas_loaded() { return g_cublas_loaded.load(); }
+
+void load_cublas(const std::string& lib) {
+  if (lib.empty() || lib == QUILT_CUBLAS_LIB) cublas();
+  else open_cublas(lib);
+}
 
 void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line) {
   throw std::runtime_error(std::string("[cuda] ") + expr + " failed: " + cudaGetErrorString(err) + " (" +
@@ -35,7 +84,7 @@ void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int l
 
 void throw_cublas_error(int status, const char* expr, const char* file, int line) {
   throw std::runtime_error(std::string("[cublas] ") + expr + " failed: " +
-                           cublasGetStatusString(static_cast<cublasStatus_t>(status)) + " (status " +
+                           cublas().status_string(static_cast<cublasStatus_t>(status)) + " (status " +
                            std::to_string(status) + ") at " + short_path(file) + ":" + std::to_string(line));
 }
 

@@ -33,6 +33,8 @@ void cross_entropy_backward(DType, void*, const void*, const int64_t*, const flo
   missing("cross_entropy_backward");
 }
 bool compiled() { return false; }
+bool cublas_loaded() { return false; }
+void load_cublas(const std::string&) { missing("cuBLAS"); }
 DeviceError* device_error_slot() { missing("device errors"); }
 DeviceError take_device_error(int) { return {}; }  // no device, so nothing was reported
 std::string describe_device_error(const DeviceError&) { return ""; }

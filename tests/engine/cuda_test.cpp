@@ -1,10 +1,11 @@
 // The CUDA backend against the CPU: elementwise ops, casts, random numbers (bit for bit),
 // reductions, matmul, softmax, cross entropy, the caching allocator, streams and events —
 // through the public Tensor API.
-// Without a usable device every case but the first prints why and returns.
+// Without a usable device every case but the first two prints why and returns.
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -16,6 +17,40 @@
 
 using namespace quilt;
 using namespace quilt::cuda_test;
+
+namespace {
+// Whether a file whose name contains `name` is mapped into this process.
+bool mapped(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);)
+    if (line.find(name) != std::string::npos) return true;
+  return false;
+}
+}  // namespace
+
+TEST_CASE("cuda: cuBLAS is opened at the first GPU GEMM, not at start-up, and a missing one is named") {
+  if (!kernels::cuda::compiled()) {
+    CHECK_FALSE(kernels::cuda::cublas_loaded());
+    CHECK_THROWS_WITH(kernels::cuda::load_cublas(), doctest::Contains("no CUDA implementation in this build"));
+    MESSAGE("skipped: a build without CUDA");
+    return;
+  }
+  // Without a device nothing in this process can have opened it; with one, an earlier case in
+  // the same process (a whole-suite run) may have run a GEMM on it.
+  if (!cuda::is_available()) REQUIRE_FALSE(kernels::cuda::cublas_loaded());
+  if (!kernels::cuda::cublas_loaded()) {
+    CHECK_FALSE(mapped("/libcublas.so"));
+    CHECK_FALSE(mapped("/libcublasLt.so"));
+  }
+  kernels::cuda::load_cublas();  // every entry point the kernels call is found
+  CHECK(kernels::cuda::cublas_loaded());
+  CHECK(mapped("/libcublas.so"));
+  CHECK(mapped("/libcublasLt.so"));
+  CHECK_THROWS_WITH(kernels::cuda::load_cublas("libcublas-missing.so.13"),
+                    doctest::Contains("[cublas] libcublas-missing.so.13 could not be opened"));
+  // A library that opens but is not cuBLAS: the first entry point it lacks is named.
+  CHECK_THROWS_WITH(kernels::cuda::load_cublas("libz.so.1"), doctest::Contains("libz.so.1 has no cublasCreate_v2"));
+}
 
 TEST_CASE("cuda: availability is reported, and without a device the reason is given and CUDA use fails cleanly") {
   if (cuda::is_available()) {
