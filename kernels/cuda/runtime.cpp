@@ -45,7 +45,9 @@ CublasApi open_cublas(const std::string& lib) {
   CublasApi api;
   auto get = [&](auto& fn, const char* name) {
     fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
-    if (!fn) throw std::runtime_error("[cublas] " + lib + " has no " + name + ": not the cuBLAS this build needs");
+    if (fn) return;
+    dlclose(h);  // not the library we need: nothing of it stays open
+    throw std::runtime_error("[cublas] " + lib + " has no " + name + ": not the cuBLAS this build needs");
   };
   get(api.create, QUILT_CUBLAS_NAME(cublasCreate));
   get(api.set_stream, QUILT_CUBLAS_NAME(cublasSetStream));
