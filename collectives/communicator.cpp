@@ -7,6 +7,7 @@
 #include <map>
 #include <numeric>
 #include <sstream>
+#include <unordered_set>
 
 #include "collectives/internal.h"
 #include "collectives/observer.h"
@@ -17,6 +18,7 @@
 namespace quilt {
 
 using detail::OpCall;
+using detail::OpDesc;
 using detail::OpKind;
 
 const char* reduce_op_name(ReduceOp op) {
@@ -78,6 +80,21 @@ std::string format_duration(std::chrono::milliseconds d) {
   else if (d.count() % 1000 == 0) os << d.count() / 1000 << " s";
   else os << double(d.count()) / 1000.0 << " s";
   return os.str();
+}
+
+const std::string* CommName::intern(const std::string& name) {
+  // Never destroyed: descriptions may be read by the watchdog thread during static destruction.
+  static std::mutex* mu = new std::mutex;
+  static auto* names = new std::unordered_set<std::string>;  // nodes never move
+  std::lock_guard lk(*mu);
+  return &*names->insert(name).first;
+}
+
+CommName::CommName(const std::string& name) : s_(intern(name)) {}
+
+const std::string& CommName::empty() {
+  static const std::string* e = intern("");
+  return *e;
 }
 
 std::string OpDesc::short_str() const {
@@ -367,8 +384,10 @@ detail::Signature make_signature(const OpCall& c, const Tensor& subject, bool tr
 
 Communicator::Communicator(std::string backend, std::string name, int rank, int size, Device device,
                            const CommOptions& opts)
-    : backend_(std::move(backend)), name_(std::move(name)), rank_(rank), size_(size), device_(device),
-      timeout_(resolved_timeout(opts)), debug_(resolved_debug_checks(opts)) {}
+    : backend_(std::move(backend)), rank_(rank), size_(size), device_(device),
+      timeout_(resolved_timeout(opts)), debug_(resolved_debug_checks(opts)) {
+  name_ = detail::CommName::intern(name);
+}
 
 Communicator::~Communicator() = default;
 
@@ -378,11 +397,11 @@ void Communicator::set_timeout(std::chrono::milliseconds t) {
 }
 
 std::string Communicator::child_name(uint64_t seq, int color) const {
-  return detail::concat(name_, ".split", seq, "[color ", color, "]");
+  return detail::concat(*name_, ".split", seq, "[color ", color, "]");
 }
 
 void Communicator::check_root(int root, const char* op, const char* what) const {
-  QUILT_CHECK(root >= 0 && root < size_, "[", op, "] ", what, " ", root, " is out of range for ", name_, " of ",
+  QUILT_CHECK(root >= 0 && root < size_, "[", op, "] ", what, " ", root, " is out of range for ", *name_, " of ",
               size_, " ranks");
 }
 
@@ -390,7 +409,7 @@ OpCall Communicator::begin(int kind, const Tensor& subject, bool collective) {
   OpCall c;
   c.desc.kind = OpKind(kind);
   c.desc.seq = collective ? ++seq_ : ++p2p_seq_;
-  c.desc.comm = name_;
+  c.desc.comm = detail::CommName::interned(name_);
   c.desc.rank = rank_;
   if (subject.defined()) {
     c.desc.has_tensor = true;
@@ -412,7 +431,7 @@ bool Communicator::usable_as_is(const Tensor& t) const {
 
 Device Communicator::staging_device(const Tensor& x, const char* op) const {
   if (host_memory_only()) return Device::cpu();
-  QUILT_CHECK(!x.device().is_cuda() || x.device() == device_, "[", op, "] the ", backend_, " communicator ", name_,
+  QUILT_CHECK(!x.device().is_cuda() || x.device() == device_, "[", op, "] the ", backend_, " communicator ", *name_,
               " works on ", device_.str(), " (or host) tensors, got one on ", x.device().str());
   return device_;
 }
@@ -488,33 +507,46 @@ ScopedCollectiveObserver::~ScopedCollectiveObserver() { t_observer = previous_; 
 
 const CollectiveObserver* detail::current_collective_observer() { return t_observer; }
 
+namespace {
+// logging.trace's slice for a collective, from here until the returned scope goes. Out of line,
+// as the observer's record below, so that the common path (neither on) keeps a small frame.
+[[gnu::noinline]] std::unique_ptr<trace::Scope> trace_collective(const OpCall& call, const std::string& axis,
+                                                                 const std::string& comm, int ranks, bool async_op) {
+  auto scope = std::make_unique<trace::Scope>();
+  scope->begin("collective", op_kind_name(call.desc.kind));
+  const OpDesc& d = call.desc;
+  scope->arg("bytes", d.has_tensor ? d.shape.numel() * int64_t(dtype_size(d.dtype)) : int64_t(0));
+  scope->arg("axis", axis.empty() ? comm : axis);
+  scope->arg("comm", comm);
+  scope->arg("ranks", int64_t(ranks));
+  scope->arg("seq", int64_t(d.seq));
+  if (d.has_tensor) scope->arg("shape", detail::concat(d.shape.vec()));
+  if (async_op) scope->arg("async", int64_t(1));
+  return scope;
+}
+
+[[gnu::noinline]] std::chrono::milliseconds observe(const CollectiveObserver& observer, const OpDesc& d, int ranks,
+                                                    bool async_op) {
+  CollectiveRecord r;
+  r.op = op_kind_name(d.kind);
+  r.seq = d.seq;
+  r.comm = d.comm;
+  r.comm_size = ranks;
+  r.dtype = d.dtype;
+  r.shape = d.shape.vec();
+  if (d.has_tensor) r.bytes = d.shape.numel() * int64_t(dtype_size(d.dtype));
+  r.async = async_op;
+  return observer(r);
+}
+}  // namespace
+
 Work Communicator::launch(OpCall&& call, std::vector<std::function<void()>>&& copy_back, bool async_op) {
   call.async = async_op;
   if (async_op) call.own();  // it outlives this call (a synchronous op is waited for below)
   // logging.trace: the collective from issue to completion (to issue only when asynchronous).
-  trace::Scope scope;
-  if (trace::enabled()) {
-    scope.begin("collective", op_kind_name(call.desc.kind));
-    scope.arg("bytes", call.desc.has_tensor ? call.desc.shape.numel() * int64_t(dtype_size(call.desc.dtype)) : int64_t(0));
-    scope.arg("axis", axis_.empty() ? name_ : axis_);
-    scope.arg("comm", name_);
-    scope.arg("ranks", int64_t(size_));
-    scope.arg("seq", int64_t(call.desc.seq));
-    if (call.desc.has_tensor) scope.arg("shape", detail::concat(call.desc.shape.vec()));
-    if (async_op) scope.arg("async", int64_t(1));
-  }
-  if (t_observer) {
-    CollectiveRecord r;
-    r.op = op_kind_name(call.desc.kind);
-    r.seq = call.desc.seq;
-    r.comm = call.desc.comm;
-    r.comm_size = size_;
-    r.dtype = call.desc.dtype;
-    r.shape = call.desc.shape.vec();
-    if (call.desc.has_tensor) r.bytes = call.desc.shape.numel() * int64_t(dtype_size(call.desc.dtype));
-    r.async = async_op;
-    call.desc.delay = (*t_observer)(r);
-  }
+  std::unique_ptr<trace::Scope> scope;
+  if (trace::enabled()) scope = trace_collective(call, axis_, *name_, size_, async_op);
+  if (t_observer) call.desc.delay = observe(*t_observer, call.desc, size_, async_op);
   std::shared_ptr<detail::WorkState> state = start(std::move(call));
   if (!state) {  // the backend completed it inside start (a synchronous op run inline)
     for (auto& f : copy_back) f();
@@ -567,7 +599,7 @@ Work Communicator::all_gather(const Tensor& out, const Tensor& in, bool async_op
   QUILT_CHECK(out.dtype() == in.dtype(), "[all_gather] output is ", dtype_name(out.dtype()), " but input is ",
               dtype_name(in.dtype()));
   QUILT_CHECK(out.numel() == int64_t(size()) * in.numel(), "[all_gather] output of shape ", out.shape(), " (",
-              out.numel(), " elements) cannot hold ", size(), " inputs of shape ", in.shape(), " on ", name_);
+              out.numel(), " elements) cannot hold ", size(), " inputs of shape ", in.shape(), " on ", *name_);
   OpCall c = begin(int(OpKind::all_gather), in, true);
   std::vector<std::function<void()>> back;
   bind_out(c, out, false, back);
@@ -605,7 +637,7 @@ Work Communicator::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp 
   QUILT_CHECK(out.dtype() == in.dtype(), "[reduce_scatter] output is ", dtype_name(out.dtype()), " but input is ",
               dtype_name(in.dtype()));
   QUILT_CHECK(in.numel() == int64_t(size()) * out.numel(), "[reduce_scatter] input of shape ", in.shape(), " (",
-              in.numel(), " elements) is not ", size(), " outputs of shape ", out.shape(), " on ", name_);
+              in.numel(), " elements) is not ", size(), " outputs of shape ", out.shape(), " on ", *name_);
   QUILT_CHECK(!(op == ReduceOp::avg && in.dtype() == DType::b8), "[reduce_scatter] avg is not defined for bool tensors");
   OpCall c = begin(int(OpKind::reduce_scatter), out, true);
   c.desc.rop = op;
@@ -653,18 +685,21 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
               "[all_to_all_single] input of shape ", in.shape(), " and output of shape ", out.shape(),
               " must have the same dims after dim 0");
   // Element counts per rank (row counts times the row size), validated before the op is numbered.
+  // Without splits one block size stands for every rank's (no lists: the small-call path).
   const int64_t row = row_numel(in);
+  const bool even = out_splits.empty() && in_splits.empty();
   auto counts_of = [&](const std::vector<int64_t>& given, const Tensor& t, const char* what) {
+    const int64_t rows = t.shape()[0];  // same_trailing: at least one dim
     if (given.empty()) {
-      QUILT_CHECK(t.size(0) % size() == 0, "[all_to_all_single] ", what, " has ", t.size(0),
-                  " rows, which do not split evenly over ", size(), " ranks; pass ", what, "_splits");
-      return std::vector<int64_t>(size_t(size()), t.size(0) / size() * row);
+      QUILT_CHECK(rows % size_ == 0, "[all_to_all_single] ", what, " has ", rows,
+                  " rows, which do not split evenly over ", size_, " ranks; pass ", what, "_splits");
+      return even ? std::vector<int64_t>() : std::vector<int64_t>(size_t(size_), rows / size_ * row);
     }
     QUILT_CHECK(int(given.size()) == size(), "[all_to_all_single] needs one ", what, " split per rank (", size(),
                 "), got ", given);
     const int64_t total = checked_sum(given, "all_to_all_single", "splits");
-    QUILT_CHECK(total == t.size(0), "[all_to_all_single] ", what, "_splits ", given, " add up to ", total, " but the ",
-                what, " has ", t.size(0), " rows");
+    QUILT_CHECK(total == rows, "[all_to_all_single] ", what, "_splits ", given, " add up to ", total, " but the ",
+                what, " has ", rows, " rows");
     std::vector<int64_t> counts(given.size());
     for (size_t i = 0; i < given.size(); ++i) counts[i] = given[i] * row;
     return counts;
@@ -677,7 +712,11 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
   bind_in(c, in, out, "all_to_all_single");
   c.in_counts = std::move(ic);
   c.out_counts = std::move(oc);
-  c.even_splits = out_splits.empty() && in_splits.empty();
+  c.even_splits = even;
+  if (even) {
+    c.even_in = in.shape()[0] / size_ * row;
+    c.even_out = out.shape()[0] / size_ * row;
+  }
   if (signs()) c.sig = make_signature(c, in, true);
   return launch(std::move(c), std::move(back), async_op);
 }

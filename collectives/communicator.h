@@ -110,7 +110,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// Where its tensors live: CPU for mpi/threads (device tensors are staged), cuda:N for nccl.
   Device device() const { return device_; }
   /// "world", "world.split1[color 0]", ...: names the communicator in errors.
-  const std::string& name() const { return name_; }
+  const std::string& name() const { return *name_; }
   /// The mesh axis this communicator spans ("dp_shard", "tp", ...; "" when none was set).
   const std::string& axis() const { return axis_; }
   /// Labels the communicator with its mesh axis (traces show it beside the collective).
@@ -200,7 +200,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                      std::vector<std::function<void()>>& copy_back) const;
   void check_root(int root, const char* op, const char* what) const;
 
-  std::string backend_, name_;
+  std::string backend_;
+  const std::string* name_;  // interned (detail::CommName::intern): op descriptions point at it
   std::string axis_;  // mesh axis, for traces
   int rank_ = 0, size_ = 1;
   Device device_;

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +22,31 @@
 namespace quilt::detail {
 
 using Clock = std::chrono::steady_clock;
+
+/// A communicator's name as op descriptions hold it: interned once per distinct name (names are
+/// few and live as long as the process), so describing an op copies a pointer, not a string,
+/// and a description outlives the communicator it came from.
+class CommName {
+ public:
+  CommName() = default;
+  CommName(const std::string& name);  // NOLINT: implicit, like the string it stands for
+  CommName(const char* name) : CommName(std::string(name)) {}  // NOLINT
+  /// From a string intern() returned: no lookup.
+  static CommName interned(const std::string* s) {
+    CommName n;
+    n.s_ = s;
+    return n;
+  }
+  /// The one stored copy of `name`, created on first use and never freed.
+  static const std::string* intern(const std::string& name);
+  const std::string& str() const { return s_ ? *s_ : empty(); }
+  operator const std::string&() const { return str(); }  // NOLINT
+  friend std::ostream& operator<<(std::ostream& os, const CommName& n) { return os << n.str(); }
+
+ private:
+  static const std::string& empty();
+  const std::string* s_ = nullptr;
+};
 
 enum class OpKind : uint8_t {
   all_reduce, broadcast, reduce, all_gather, all_gather_v, reduce_scatter, reduce_scatter_v,
@@ -68,7 +94,7 @@ class OpShape {
 struct OpDesc {
   OpKind kind = OpKind::barrier;
   uint64_t seq = 0;     // collective sequence number (1-based), or the p2p counter
-  std::string comm;     // communicator name
+  CommName comm;        // communicator name
   int rank = 0;         // the issuing rank
   bool has_tensor = false;
   DType dtype = DType::f32;
@@ -129,12 +155,20 @@ struct OpCall {
   std::vector<int64_t> in_counts;    // elements sent to each rank (all_to_all), per-rank sizes of v forms
                                      // (empty for all_gather and reduce_scatter: equal sizes)
   std::vector<int64_t> out_counts;   // elements received from each rank (all_to_all)
-  bool even_splits = false;          // all_to_all called without splits (every rank does): one block size
+  bool even_splits = false;          // all_to_all called without splits (every rank does): one block size,
+  int64_t even_in = 0, even_out = 0;  // the elements sent to and received from each rank; the count
+                                      // lists stay empty (no allocation on the small-call path)
   std::vector<P2PItem> p2p;          // send, recv, batch_p2p
   int color = -1, key = 0;           // split
   bool async = false;
   Signature sig;                     // filled when signatures are checked (debug mode, threads backend)
 
+  /// An even all_to_all's per-rank counts as lists, for backends that walk them per rank.
+  void expand_even_splits(int ranks) {
+    if (!even_splits || !in_counts.empty()) return;
+    in_counts.assign(size_t(ranks), even_in);
+    out_counts.assign(size_t(ranks), even_out);
+  }
   /// Makes borrowed `in`, `out` and p2p tensors real references, so the call may outlive the caller's frame.
   void own() {
     if (in_owner) in = *in_owner;
@@ -243,7 +277,7 @@ struct CommTrace {
 /// missing ranks. Writer: the communicator's user thread; reader: the watchdog thread (a
 /// seqlock on `seq`: fields are written before seq is published and re-checked after reading).
 struct InlineSlot {
-  std::string comm;  // communicator name (constant)
+  CommName comm;     // communicator name (constant)
   int rank = 0;      // the issuing rank (constant)
   std::shared_ptr<CommTrace> trace;
   std::atomic<uint64_t> seq{0};  // 0: nothing running inline, else the op's sequence number

@@ -209,6 +209,7 @@ class ThreadsCommunicator final : public Communicator {
     // The equal-size forms arrive without per-rank counts; the copy loops below use them.
     if (c.desc.kind == OpKind::all_gather) c.in_counts.assign(size_t(size()), c.in.numel());
     if (c.desc.kind == OpKind::reduce_scatter) c.in_counts.assign(size_t(size()), c.out.numel());
+    c.expand_even_splits(size());
     auto w = std::make_shared<WorkState>(c.desc, timeout());
     const bool async = c.async;
     exec_.submit(w, [this, call = std::make_shared<OpCall>(std::move(c)), wp = w.get()] { run_collective(call, *wp); },

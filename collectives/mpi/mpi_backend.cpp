@@ -487,7 +487,7 @@ class MpiCommunicator final : public Communicator {
         // MPI_Alltoall on some ranks with MPI_Alltoallv on others never completes. Counts and
         // displacements live on the stack up to 64 ranks.
         if (c.even_splits) {
-          const int ns = to_count(c.in_counts.at(0), d), nr = to_count(c.out_counts.at(0), d);
+          const int ns = to_count(c.even_in, d), nr = to_count(c.even_out, d);
           if (r) QUILT_CHECK_MPI(MPI_Ialltoall(in, ns, type, out, nr, type, comm_, r));
           else QUILT_CHECK_MPI(MPI_Alltoall(in, ns, type, out, nr, type, comm_));
           break;

@@ -161,6 +161,7 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<WorkState> start(OpCall&& c) override {
     cuda::set_device(device().index);
     c.own();  // the work keeps what the stream has not finished with
+    c.expand_even_splits(size());
     if (is_collective(c.desc.kind)) {
       trace_->issued.store(c.desc.seq);
       trace_->started_kind.store(int(c.desc.kind));

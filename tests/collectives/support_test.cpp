@@ -234,3 +234,17 @@ TEST_CASE("op shape: inline up to 8 dims, spilled beyond, equal to the shape eit
   CHECK(b.vec() == small);
   CHECK(detail::OpShape().numel() == 1);
 }
+
+TEST_CASE("communicator names in op descriptions: one stored copy per name, the empty name by default") {
+  const detail::CommName a("dp.split12[color 3] of a long mesh axis"), b(std::string("dp.split12[color 3] of a long mesh axis"));
+  CHECK(&a.str() == &b.str());  // interned: the same storage, whichever way it was named
+  CHECK(a.str() == "dp.split12[color 3] of a long mesh axis");
+  const detail::CommName c("tp");
+  CHECK(&c.str() != &a.str());
+  CHECK(detail::CommName().str().empty());
+  detail::OpDesc d;
+  d.kind = detail::OpKind::barrier;
+  d.seq = 2;
+  d.comm = a;
+  CHECK(d.str() == "barrier #2 on dp.split12[color 3] of a long mesh axis (rank 0)");
+}

@@ -242,3 +242,20 @@ TEST_CASE("threads backend: tensors that require grad are reduced without touchi
     CHECK(w.is_leaf());
   });
 }
+
+TEST_CASE("threads backend: a work describes its op, communicator named, after the communicators are gone") {
+  // Op descriptions hold the communicator's name interned, not a copy: a name past the short-string
+  // size (a split's) must still read back once every communicator of the group has been destroyed.
+  std::vector<Work> works(2);
+  run_threads_group(2, [&](Communicator& c) {
+    std::shared_ptr<Communicator> sub = c.split(0, c.rank());
+    Tensor t = full({3}, 1.0);
+    works[size_t(c.rank())] = sub->all_reduce(t, ReduceOp::sum, /*async_op=*/true);
+    works[size_t(c.rank())].wait();
+    CHECK(t.to_vector() == std::vector<double>(3, 2.0));
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK(works[size_t(r)].describe() ==
+          "all_reduce #1 on world.split1[color 0] (shape (3,), f32, sum, rank " + std::to_string(r) + ")");
+  }
+}
