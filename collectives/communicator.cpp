@@ -741,32 +741,47 @@ Work Communicator::recv(const Tensor& t, int peer, int tag, bool async_op) {
 }
 
 Work Communicator::batch_p2p(const std::vector<P2POp>& ops, bool async_op) {
-  for (const P2POp& op : ops) {
-    const char* name = op.kind == P2POp::Kind::send ? "send" : "recv";
-    QUILT_CHECK(op.tensor.defined(), "[", name, "] got an undefined tensor");
-    check_root(op.peer, name, "peer");
-    QUILT_CHECK(op.tag >= 0 && op.tag < (1 << 20), "[", name, "] tag ", op.tag, " is outside [0, 2^20)");
+  return batch_p2p(ops.data(), ops.size(), async_op);
+}
+
+Work Communicator::batch_p2p(std::initializer_list<P2POp> ops, bool async_op) {
+  return batch_p2p(ops.begin(), ops.size(), async_op);
+}
+
+Work Communicator::batch_p2p(const P2POp* ops, size_t n, bool async_op) {
+  for (const P2POp* op = ops; op != ops + n; ++op) {
+    const char* name = op->kind == P2POp::Kind::send ? "send" : "recv";
+    QUILT_CHECK(op->tensor.defined(), "[", name, "] got an undefined tensor");
+    check_root(op->peer, name, "peer");
+    QUILT_CHECK(op->tag >= 0 && op->tag < (1 << 20), "[", name, "] tag ", op->tag, " is outside [0, 2^20)");
   }
-  if (ops.empty()) return Work();
-  const bool single = ops.size() == 1;
+  if (n == 0) return Work();
+  const bool single = n == 1;
   const bool is_send = ops[0].kind == P2POp::Kind::send;
   OpKind kind = single ? (is_send ? OpKind::send : OpKind::recv) : OpKind::batch_p2p;
   static const Tensor kNone;
   OpCall c = begin(int(kind), single ? ops[0].tensor : kNone, false);
-  c.desc.root = single ? ops[0].peer : int(ops.size());
+  c.desc.root = single ? ops[0].peer : int(n);
   c.desc.tag = single ? ops[0].tag : 0;
   std::vector<std::function<void()>> back;
-  c.p2p.reserve(ops.size());
-  for (const P2POp& op : ops) {
+  // The item list reuses this thread's previous batch's storage: no allocation per call.
+  static thread_local std::vector<detail::P2PItem> spare;
+  c.p2p.swap(spare);
+  c.p2p.reserve(n);
+  for (const P2POp* op = ops; op != ops + n; ++op) {
     detail::P2PItem item;
-    item.is_send = op.kind == P2POp::Kind::send;
-    item.peer = op.peer;
-    item.tag = op.tag;
-    if (!borrow_into(item.tensor, item.owner, op.tensor))
-      item.tensor = item.is_send ? prepare_input(op.tensor, "send") : prepare_output(op.tensor, false, back);
+    item.is_send = op->kind == P2POp::Kind::send;
+    item.peer = op->peer;
+    item.tag = op->tag;
+    if (!borrow_into(item.tensor, item.owner, op->tensor))
+      item.tensor = item.is_send ? prepare_input(op->tensor, "send") : prepare_output(op->tensor, false, back);
     c.p2p.push_back(std::move(item));
   }
-  return launch(std::move(c), std::move(back), async_op);
+  Work w = launch(std::move(c), std::move(back), async_op);
+  // A backend that ran the batch inline left the list here (one that queued it moved it away).
+  c.p2p.clear();
+  if (c.p2p.capacity() > spare.capacity()) c.p2p.swap(spare);
+  return w;
 }
 
 }  // namespace quilt

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -162,6 +163,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Work recv(const Tensor& t, int peer, int tag = 0, bool async_op = false);
   /// Issues all sends and receives together (no ordering deadlock among them) as one Work.
   Work batch_p2p(const std::vector<P2POp>& ops, bool async_op = false);
+  /// The same for a braced list, `batch_p2p({P2POp::send(a, next), P2POp::recv(b, prev)})`: no
+  /// vector is built for the call.
+  Work batch_p2p(std::initializer_list<P2POp> ops, bool async_op = false);
 
  protected:
   Communicator(std::string backend, std::string name, int rank, int size, Device device, const CommOptions& opts);
@@ -199,6 +203,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void bind_in_place(detail::OpCall& c, const Tensor& t, bool read_too,
                      std::vector<std::function<void()>>& copy_back) const;
   void check_root(int root, const char* op, const char* what) const;
+  Work batch_p2p(const P2POp* ops, size_t n, bool async_op);
 
   std::string backend_;
   const std::string* name_;  // interned (detail::CommName::intern): op descriptions point at it

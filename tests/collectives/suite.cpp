@@ -333,6 +333,19 @@ void p2p_cases(const Ctx& c) {
     expect(c, "batch_p2p from the previous rank", from_prev, pattern_vec(prev, 9, DType::i64));
     expect(c, "batch_p2p from the next rank", from_next, pattern_vec(next + 100, 4, DType::bf16));
   });
+  guarded(c, "batch_p2p of braced lists, two then four ops (the call's item storage is reused), and an empty one", [&] {
+    Tensor a = make(c, std::vector<double>(3, 0.0), {3}, dt);
+    c.comm.batch_p2p({P2POp::send(make(c, pattern_vec(c.rank, 3, dt), {3}, dt), next), P2POp::recv(a, prev)});
+    expect(c, "braced batch of two from the previous rank", a, pattern_vec(prev, 3, dt));
+    Tensor b = make(c, std::vector<double>(2, 0.0), {2}, dt);
+    Tensor d = make(c, std::vector<double>(5, 0.0), {5}, dt);
+    c.comm.batch_p2p({P2POp::recv(b, prev, 4), P2POp::recv(d, prev, 5),
+                      P2POp::send(make(c, pattern_vec(c.rank + 50, 5, dt), {5}, dt), next, 5),
+                      P2POp::send(make(c, pattern_vec(c.rank + 20, 2, dt), {2}, dt), next, 4)});
+    expect(c, "braced batch of four, tag 4", b, pattern_vec(prev + 20, 2, dt));
+    expect(c, "braced batch of four, tag 5", d, pattern_vec(prev + 50, 5, dt));
+    if (!c.comm.batch_p2p({}).is_completed()) c.failures.push_back(detail::concat("[rank ", c.rank, "] an empty braced batch is not complete"));
+  });
   guarded(c, "messages with one tag arrive in order", [&] {
     std::vector<Tensor> got;
     std::vector<Work> works;
