@@ -384,10 +384,8 @@ detail::Signature make_signature(const OpCall& c, const Tensor& subject, bool tr
 
 Communicator::Communicator(std::string backend, std::string name, int rank, int size, Device device,
                            const CommOptions& opts)
-    : backend_(std::move(backend)), rank_(rank), size_(size), device_(device),
-      timeout_(resolved_timeout(opts)), debug_(resolved_debug_checks(opts)) {
-  name_ = detail::CommName::intern(name);
-}
+    : backend_(std::move(backend)), name_(detail::CommName::intern(name)), rank_(rank), size_(size),
+      device_(device), timeout_(resolved_timeout(opts)), debug_(resolved_debug_checks(opts)) {}
 
 Communicator::~Communicator() = default;
 
@@ -685,27 +683,30 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
               "[all_to_all_single] input of shape ", in.shape(), " and output of shape ", out.shape(),
               " must have the same dims after dim 0");
   // Element counts per rank (row counts times the row size), validated before the op is numbered.
-  // Without splits one block size stands for every rank's (no lists: the small-call path).
   const int64_t row = row_numel(in);
-  const bool even = out_splits.empty() && in_splits.empty();
-  auto counts_of = [&](const std::vector<int64_t>& given, const Tensor& t, const char* what) {
+  auto even_block = [&](const Tensor& t, const char* what) {
     const int64_t rows = t.shape()[0];  // same_trailing: at least one dim
-    if (given.empty()) {
-      QUILT_CHECK(rows % size_ == 0, "[all_to_all_single] ", what, " has ", rows,
-                  " rows, which do not split evenly over ", size_, " ranks; pass ", what, "_splits");
-      return even ? std::vector<int64_t>() : std::vector<int64_t>(size_t(size_), rows / size_ * row);
-    }
+    QUILT_CHECK(rows % size_ == 0, "[all_to_all_single] ", what, " has ", rows,
+                " rows, which do not split evenly over ", size_, " ranks; pass ", what, "_splits");
+    return rows / size_ * row;
+  };
+  auto counts_of = [&](const std::vector<int64_t>& given, const Tensor& t, const char* what) {
+    if (given.empty()) return std::vector<int64_t>(size_t(size_), even_block(t, what));
     QUILT_CHECK(int(given.size()) == size(), "[all_to_all_single] needs one ", what, " split per rank (", size(),
                 "), got ", given);
     const int64_t total = checked_sum(given, "all_to_all_single", "splits");
-    QUILT_CHECK(total == rows, "[all_to_all_single] ", what, "_splits ", given, " add up to ", total, " but the ",
-                what, " has ", rows, " rows");
+    QUILT_CHECK(total == t.shape()[0], "[all_to_all_single] ", what, "_splits ", given, " add up to ", total,
+                " but the ", what, " has ", t.shape()[0], " rows");
     std::vector<int64_t> counts(given.size());
     for (size_t i = 0; i < given.size(); ++i) counts[i] = given[i] * row;
     return counts;
   };
-  std::vector<int64_t> oc = counts_of(out_splits, out, "output");
-  std::vector<int64_t> ic = counts_of(in_splits, in, "input");
+  // Without splits one block size stands for every rank's: no per-rank lists on the small-call path.
+  const bool even = out_splits.empty() && in_splits.empty();
+  const int64_t even_out = even ? even_block(out, "output") : 0;
+  const int64_t even_in = even ? even_block(in, "input") : 0;
+  std::vector<int64_t> oc = even ? std::vector<int64_t>() : counts_of(out_splits, out, "output");
+  std::vector<int64_t> ic = even ? std::vector<int64_t>() : counts_of(in_splits, in, "input");
   OpCall c = begin(int(OpKind::all_to_all), in, true);
   std::vector<std::function<void()>> back;
   bind_out(c, out, false, back);
@@ -713,10 +714,8 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
   c.in_counts = std::move(ic);
   c.out_counts = std::move(oc);
   c.even_splits = even;
-  if (even) {
-    c.even_in = in.shape()[0] / size_ * row;
-    c.even_out = out.shape()[0] / size_ * row;
-  }
+  c.even_in = even_in;
+  c.even_out = even_out;
   if (signs()) c.sig = make_signature(c, in, true);
   return launch(std::move(c), std::move(back), async_op);
 }

@@ -165,7 +165,7 @@ struct OpCall {
 
   /// An even all_to_all's per-rank counts as lists, for backends that walk them per rank.
   void expand_even_splits(int ranks) {
-    if (!even_splits || !in_counts.empty()) return;
+    if (!even_splits) return;
     in_counts.assign(size_t(ranks), even_in);
     out_counts.assign(size_t(ranks), even_out);
   }
