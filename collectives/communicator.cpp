@@ -3,6 +3,8 @@
 #include "collectives/communicator.h"
 
 #include <algorithm>
+#include <atomic>
+#include <climits>
 #include <cstdlib>
 #include <map>
 #include <numeric>
@@ -494,14 +496,20 @@ void Communicator::bind_in_place(OpCall& c, const Tensor& t, bool read_too,
 
 namespace {
 thread_local const CollectiveObserver* t_observer = nullptr;
+// Observers alive on any thread: while there are none, a call need not look at its thread's.
+std::atomic<int> g_observers{0};
 }  // namespace
 
 ScopedCollectiveObserver::ScopedCollectiveObserver(CollectiveObserver observer)
     : observer_(std::move(observer)), previous_(t_observer) {
   t_observer = &observer_;
+  g_observers.fetch_add(1, std::memory_order_relaxed);
 }
 
-ScopedCollectiveObserver::~ScopedCollectiveObserver() { t_observer = previous_; }
+ScopedCollectiveObserver::~ScopedCollectiveObserver() {
+  t_observer = previous_;
+  g_observers.fetch_sub(1, std::memory_order_relaxed);
+}
 
 const CollectiveObserver* detail::current_collective_observer() { return t_observer; }
 
@@ -544,7 +552,8 @@ Work Communicator::launch(OpCall&& call, std::vector<std::function<void()>>&& co
   // logging.trace: the collective from issue to completion (to issue only when asynchronous).
   std::unique_ptr<trace::Scope> scope;
   if (trace::enabled()) scope = trace_collective(call, axis_, *name_, size_, async_op);
-  if (t_observer) call.desc.delay = observe(*t_observer, call.desc, size_, async_op);
+  if (g_observers.load(std::memory_order_relaxed) != 0 && t_observer)
+    call.desc.delay = observe(*t_observer, call.desc, size_, async_op);
   std::shared_ptr<detail::WorkState> state = start(std::move(call));
   if (!state) {  // the backend completed it inside start (a synchronous op run inline)
     for (auto& f : copy_back) f();
@@ -556,9 +565,51 @@ Work Communicator::launch(OpCall&& call, std::vector<std::function<void()>>&& co
   return w;
 }
 
+// The quick form skips the call record, the staging and the Work; it needs what the general
+// path would find trivial: nothing recording the op, both tensors usable as they are and not
+// overlapping (else the input is copied first), counts that fit the backend's int, at most 8
+// dims for the watchdog's slot. The sequence number is taken before the backend runs it and
+// given back when the backend declines, so either path numbers the op alike.
+bool Communicator::try_quick(detail::QuickOp& q, const Tensor& in, const Tensor& out, const Tensor& subject) {
+  if (signs() || trace::enabled() || g_observers.load(std::memory_order_relaxed) != 0) return false;
+  if (!usable_as_is(out) || (&in != &out && (!usable_as_is(in) || overlaps(in, out)))) return false;
+  const Shape& shape = subject.shape();
+  if (shape.size() > 8 || q.count > INT_MAX || q.recv_count > INT_MAX) return false;
+  q.shape = &shape;
+  q.out = out.data_ptr();
+  q.in = &in == &out ? q.out : in.data_ptr();
+  q.seq = ++seq_;
+  if (run_quick(q)) return true;
+  --seq_;
+  return false;
+}
+
+// Point-to-point ops are numbered apart and carry no signature; a single op's tensor is the one
+// the watchdog shows. (A count beyond an int is the backend's to refuse, as on the general path.)
+bool Communicator::try_quick_p2p(int kind, const P2POp* ops, size_t n) {
+  if (trace::enabled() || g_observers.load(std::memory_order_relaxed) != 0) return false;
+  for (const P2POp* op = ops; op != ops + n; ++op)
+    if (!usable_as_is(op->tensor)) return false;
+  const bool single = n == 1;
+  detail::QuickOp q{.kind = OpKind(kind),
+                    .dtype = ops[0].tensor.dtype(),
+                    .root = single ? ops[0].peer : int(n),
+                    .shape = single ? &ops[0].tensor.shape() : nullptr,
+                    .tag = single ? ops[0].tag : 0,
+                    .p2p = ops,
+                    .p2p_count = n};
+  q.seq = ++p2p_seq_;
+  if (run_quick(q)) return true;
+  --p2p_seq_;
+  return false;
+}
+
 Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
   QUILT_CHECK(t.defined(), "[all_reduce] got an undefined tensor");
   QUILT_CHECK(!(op == ReduceOp::avg && t.dtype() == DType::b8), "[all_reduce] avg is not defined for bool tensors");
+  if (detail::QuickOp q{.kind = OpKind::all_reduce, .dtype = t.dtype(), .rop = op, .count = t.numel()};
+      !async_op && try_quick(q, t, t, t))
+    return Work();
   OpCall c = begin(int(OpKind::all_reduce), t, true);
   c.desc.rop = op;
   std::vector<std::function<void()>> back;
@@ -570,6 +621,9 @@ Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
 Work Communicator::broadcast(const Tensor& t, int root, bool async_op) {
   QUILT_CHECK(t.defined(), "[broadcast] got an undefined tensor");
   check_root(root, "broadcast", "root");
+  if (detail::QuickOp q{.kind = OpKind::broadcast, .dtype = t.dtype(), .root = root, .count = t.numel()};
+      !async_op && try_quick(q, t, t, t))
+    return Work();
   OpCall c = begin(int(OpKind::broadcast), t, true);
   c.desc.root = root;
   std::vector<std::function<void()>> back;
@@ -598,6 +652,9 @@ Work Communicator::all_gather(const Tensor& out, const Tensor& in, bool async_op
               dtype_name(in.dtype()));
   QUILT_CHECK(out.numel() == int64_t(size()) * in.numel(), "[all_gather] output of shape ", out.shape(), " (",
               out.numel(), " elements) cannot hold ", size(), " inputs of shape ", in.shape(), " on ", *name_);
+  if (detail::QuickOp q{.kind = OpKind::all_gather, .dtype = in.dtype(), .count = in.numel()};
+      !async_op && try_quick(q, in, out, in))
+    return Work();
   OpCall c = begin(int(OpKind::all_gather), in, true);
   std::vector<std::function<void()>> back;
   bind_out(c, out, false, back);
@@ -637,6 +694,9 @@ Work Communicator::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp 
   QUILT_CHECK(in.numel() == int64_t(size()) * out.numel(), "[reduce_scatter] input of shape ", in.shape(), " (",
               in.numel(), " elements) is not ", size(), " outputs of shape ", out.shape(), " on ", *name_);
   QUILT_CHECK(!(op == ReduceOp::avg && in.dtype() == DType::b8), "[reduce_scatter] avg is not defined for bool tensors");
+  if (detail::QuickOp q{.kind = OpKind::reduce_scatter, .dtype = out.dtype(), .rop = op, .count = out.numel()};
+      !async_op && try_quick(q, in, out, out))
+    return Work();
   OpCall c = begin(int(OpKind::reduce_scatter), out, true);
   c.desc.rop = op;
   std::vector<std::function<void()>> back;
@@ -705,6 +765,9 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
   const bool even = out_splits.empty() && in_splits.empty();
   const int64_t even_out = even ? even_block(out, "output") : 0;
   const int64_t even_in = even ? even_block(in, "input") : 0;
+  if (detail::QuickOp q{.kind = OpKind::all_to_all, .dtype = in.dtype(), .count = even_in, .recv_count = even_out};
+      even && !async_op && try_quick(q, in, out, in))
+    return Work();
   std::vector<int64_t> oc = even ? std::vector<int64_t>() : counts_of(out_splits, out, "output");
   std::vector<int64_t> ic = even ? std::vector<int64_t>() : counts_of(in_splits, in, "input");
   OpCall c = begin(int(OpKind::all_to_all), in, true);
@@ -751,13 +814,14 @@ Work Communicator::batch_p2p(const P2POp* ops, size_t n, bool async_op) {
   for (const P2POp* op = ops; op != ops + n; ++op) {
     const char* name = op->kind == P2POp::Kind::send ? "send" : "recv";
     QUILT_CHECK(op->tensor.defined(), "[", name, "] got an undefined tensor");
-    check_root(op->peer, name, "peer");
+    if (op->peer < 0 || op->peer >= size_) check_root(op->peer, name, "peer");
     QUILT_CHECK(op->tag >= 0 && op->tag < (1 << 20), "[", name, "] tag ", op->tag, " is outside [0, 2^20)");
   }
   if (n == 0) return Work();
   const bool single = n == 1;
   const bool is_send = ops[0].kind == P2POp::Kind::send;
   OpKind kind = single ? (is_send ? OpKind::send : OpKind::recv) : OpKind::batch_p2p;
+  if (!async_op && try_quick_p2p(int(kind), ops, n)) return Work();
   static const Tensor kNone;
   OpCall c = begin(int(kind), single ? ops[0].tensor : kNone, false);
   c.desc.root = single ? ops[0].peer : int(n);

@@ -29,6 +29,7 @@ namespace quilt {
 namespace detail {
 class WorkState;
 struct OpCall;
+struct QuickOp;
 }  // namespace detail
 
 /// How values from different ranks combine. avg is sum / world size (truncating for integers);
@@ -183,6 +184,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// not (then OpCall::sig is always filled; otherwise only in debug mode).
   virtual bool checks_every_call() const { return false; }
 
+  /// A synchronous collective that nothing records (no trace, observer or signature check), on
+  /// tensors the backend can use as they are: the backend may run it at once from `q` (pointers,
+  /// counts and what the watchdog shows), with no call record, and return true; or return false,
+  /// having done nothing, and the op goes through start(). q.seq is the op's sequence number.
+  virtual bool run_quick(const detail::QuickOp& q) { return false; }
+
   /// The name a sub-communicator of this one gets.
   std::string child_name(uint64_t seq, int color) const;
 
@@ -203,6 +210,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void bind_in_place(detail::OpCall& c, const Tensor& t, bool read_too,
                      std::vector<std::function<void()>>& copy_back) const;
   void check_root(int root, const char* op, const char* what) const;
+  // Runs a validated synchronous collective through run_quick where it applies (in and out may
+  // be the same tensor); true when it ran. Fills q's seq, pointers and shape.
+  bool try_quick(detail::QuickOp& q, const Tensor& in, const Tensor& out, const Tensor& subject);
+  // The same for a synchronous send, recv or batch_p2p of `kind`.
+  bool try_quick_p2p(int kind, const P2POp* ops, size_t n);
   Work batch_p2p(const P2POp* ops, size_t n, bool async_op);
 
   std::string backend_;

@@ -269,6 +269,28 @@ struct CommTrace {
   std::atomic<int> started_kind{-1};  // OpKind of `started`
 };
 
+/// A synchronous collective that nothing records (no trace, observer or signature check) on
+/// contiguous tensors in the backend's memory, described without a call record for
+/// Communicator::run_quick. Counts are what the backend's call takes and fit an int: the tensor's
+/// elements (all_reduce, broadcast), in's (all_gather), out's (reduce_scatter), or the block sent
+/// to and received from each rank (an all_to_all without splits: `count`, `recv_count`). A
+/// synchronous send, recv or batch_p2p carries its ops instead (root: the peer of a single op,
+/// else the number of ops; shape: a single op's tensor's).
+struct QuickOp {
+  OpKind kind = OpKind::barrier;
+  uint64_t seq = 0;
+  DType dtype = DType::f32;
+  std::optional<ReduceOp> rop;
+  int root = -1;
+  const Shape* shape = nullptr;  // the op's main tensor's, as OpDesc::shape
+  const void* in = nullptr;      // == out for in-place ops
+  void* out = nullptr;
+  int64_t count = 0, recv_count = 0;
+  int tag = 0;                    // send, recv
+  const P2POp* p2p = nullptr;     // send, recv, batch_p2p: the ops, p2p_count of them
+  size_t p2p_count = 0;
+};
+
 /// The collective a communicator runs inline on its caller's thread right now: synchronous
 /// ops that complete inside the call get no WorkState and no watchdog entry; instead they
 /// publish themselves here (plain stores, no lock, no allocation) and the watchdog scans every
@@ -287,18 +309,19 @@ struct InlineSlot {
 
   /// Publishes `d` as running (d.shape beyond 8 dims is summarised by its first 8).
   void enter(const OpDesc& d, std::chrono::milliseconds timeout) {
-    timeout_ms.store(timeout.count(), std::memory_order_relaxed);
-    kind.store(int32_t(d.kind), std::memory_order_relaxed);
-    dtype.store(d.has_tensor ? int32_t(d.dtype) : -1, std::memory_order_relaxed);
-    rop.store(d.rop ? int32_t(*d.rop) : -1, std::memory_order_relaxed);
-    root.store(d.root, std::memory_order_relaxed);
-    tag.store(d.tag, std::memory_order_relaxed);
-    const size_t nd = d.has_tensor ? d.shape.size() : 0;
-    ndim.store(d.has_tensor ? int32_t(nd) : -1, std::memory_order_relaxed);
-    for (size_t i = 0; i < nd && i < 8; ++i) dims[i].store(d.shape[i], std::memory_order_relaxed);
-    seq.store(d.seq, std::memory_order_release);
+    publish(d.kind, d.seq, d.has_tensor ? &d.shape : nullptr, d.dtype, d.rop ? int32_t(*d.rop) : -1, d.root, d.tag,
+            timeout);
+  }
+  /// The same for a quick op (no call record).
+  void enter(const QuickOp& q, std::chrono::milliseconds timeout) {
+    publish(q.kind, q.seq, q.shape, q.dtype, q.rop ? int32_t(*q.rop) : -1, q.root, q.tag, timeout);
   }
   void leave() { seq.store(0, std::memory_order_release); }
+  /// Leaves the slot when it goes: `slot.enter(d, t); InlineSlot::Occupied in{slot};`.
+  struct Occupied {
+    InlineSlot& slot;
+    ~Occupied() { slot.leave(); }
+  };
   /// The running op's description and timeout, or nullopt when none runs (or it changed while
   /// being read). Watchdog thread only.
   std::optional<std::pair<OpDesc, std::chrono::milliseconds>> snapshot() const;
@@ -306,6 +329,23 @@ struct InlineSlot {
   // Watchdog thread only: the sequence number it last saw running here, and since when.
   uint64_t seen_seq = 0;
   Clock::time_point seen_at{};
+
+ private:
+  // `shape` null: the op has no tensor (dtype and dims are then not shown).
+  template <class S>
+  void publish(OpKind k, uint64_t s, const S* shape, DType dt, int32_t op, int32_t rt, int32_t tg,
+               std::chrono::milliseconds timeout) {
+    timeout_ms.store(timeout.count(), std::memory_order_relaxed);
+    kind.store(int32_t(k), std::memory_order_relaxed);
+    dtype.store(shape ? int32_t(dt) : -1, std::memory_order_relaxed);
+    rop.store(op, std::memory_order_relaxed);
+    root.store(rt, std::memory_order_relaxed);
+    tag.store(tg, std::memory_order_relaxed);
+    const size_t nd = shape ? shape->size() : 0;
+    ndim.store(shape ? int32_t(nd) : -1, std::memory_order_relaxed);
+    for (size_t i = 0; i < nd && i < 8; ++i) dims[i].store((*shape)[i], std::memory_order_relaxed);
+    seq.store(s, std::memory_order_release);
+  }
 };
 
 namespace watchdog {

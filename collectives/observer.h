@@ -3,7 +3,7 @@
 // issue order. Tests count and order collectives with it (one all-gather per FSDP unit, say),
 // and it may hold one back for a while (a fault injection that shows what overlaps a slow
 // collective). The threads backend runs each rank on its own thread, so each rank can observe
-// its own. Costs one thread-local load per operation when no observer is installed.
+// its own. Costs one load of a process-wide count per operation while no thread has an observer.
 //
 //   std::vector<CollectiveRecord> seen;
 //   ScopedCollectiveObserver obs([&](const CollectiveRecord& r) { seen.push_back(r); return kNoDelay; });

@@ -190,7 +190,9 @@ std::vector<int> world_ranks_of(MPI_Comm comm) {
 
 // The failure of a finished batch of point-to-point requests ("" when there is none): an MPI
 // error, or a receive that got another element count than it expects (expected[i] < 0: a send).
-std::string p2p_failure(const OpDesc& desc, int rc, const MPI_Status* st, size_t n, const int* expected,
+// desc_of() gives the op's OpDesc (by value or reference); called only to word a failure.
+template <class DescOf>
+std::string p2p_failure(DescOf&& desc_of, int rc, const MPI_Status* st, size_t n, const int* expected,
                         const MPI_Datatype* types, const int* peers) {
   if (rc != MPI_SUCCESS) {
     char text[MPI_MAX_ERROR_STRING] = {};
@@ -199,6 +201,7 @@ std::string p2p_failure(const OpDesc& desc, int rc, const MPI_Status* st, size_t
     for (size_t i = 0; i < n; ++i)
       if (st[i].MPI_ERROR != MPI_SUCCESS && st[i].MPI_ERROR != MPI_ERR_PENDING) err = st[i].MPI_ERROR;
     MPI_Error_string(err, text, &len);
+    const OpDesc& desc = desc_of();
     return concat("[", op_kind_name(desc.kind), "] ", desc.str(), " failed: ", text,
                   err == MPI_ERR_TRUNCATE ? " (the matching send has more elements than the receive)" : "");
   }
@@ -207,10 +210,10 @@ std::string p2p_failure(const OpDesc& desc, int rc, const MPI_Status* st, size_t
     int got = 0;
     MPI_Get_count(&st[i], types[i], &got);
     if (got != expected[i])
-      return concat("[recv] ", desc.str(), ": rank ", peers[i], " sent ", got, " elements but the receive expects ",
+      return concat("[recv] ", desc_of().str(), ": rank ", peers[i], " sent ", got, " elements but the receive expects ",
                     expected[i]);
   }
-  return "";
+  return {};
 }
 
 // ---- point-to-point work: MPI requests tested by whoever gets there first ----
@@ -254,7 +257,8 @@ class MpiP2PWork final : public WorkState {
 
  private:
   void complete(int rc, std::vector<MPI_Status>& st) {
-    std::string failure = p2p_failure(desc, rc, st.data(), reqs.size(), expected.data(), types.data(), peers.data());
+    std::string failure = p2p_failure([&]() -> const OpDesc& { return desc; }, rc, st.data(), reqs.size(),
+                                      expected.data(), types.data(), peers.data());
     if (failure.empty()) mark_done();
     else mark_failed(std::move(failure));
   }
@@ -322,6 +326,50 @@ class MpiCommunicator final : public Communicator {
     return w;
   }
 
+  // The quick form (see Communicator::run_quick) of the synchronous path below: the same blocking
+  // calls, trace marks and watchdog slot, with nothing to unpack from a call record. Declines
+  // where run_inline would not run (asynchronous work queued) or the communicator is gone.
+  bool run_quick(const QuickOp& q) override {
+    if (comm_ == MPI_COMM_NULL) return false;
+    if (q.p2p) return run_quick_p2p(q);
+    if (!exec_.idle()) return false;
+    trace_->issued.store(q.seq, std::memory_order_release);
+    slot_->enter(q, timeout());
+    InlineSlot::Occupied occupied{*slot_};
+    Progress p(*trace_, q.kind, q.seq);
+    const MPI_Datatype type = mpi_type(q.dtype);
+    const int n = int(q.count);
+    int rc = MPI_SUCCESS;
+    const char* call = "";
+    switch (q.kind) {
+      case OpKind::all_reduce:
+        call = "MPI_Allreduce";
+        rc = MPI_Allreduce(MPI_IN_PLACE, q.out, n, type, mpi_op(q.dtype, *q.rop), comm_);
+        break;
+      case OpKind::broadcast:
+        call = "MPI_Bcast";
+        rc = MPI_Bcast(q.out, n, type, q.root, comm_);
+        break;
+      case OpKind::all_gather:
+        call = "MPI_Allgather";
+        rc = MPI_Allgather(q.in, n, type, q.out, n, type, comm_);
+        break;
+      case OpKind::reduce_scatter:
+        call = "MPI_Reduce_scatter_block";
+        rc = MPI_Reduce_scatter_block(q.in, q.out, n, type, mpi_op(q.dtype, *q.rop), comm_);
+        break;
+      case OpKind::all_to_all:
+        call = "MPI_Alltoall";
+        rc = MPI_Alltoall(q.in, n, type, q.out, int(q.recv_count), type, comm_);
+        break;
+      default:
+        fail("[mpi] unexpected quick op ", op_kind_name(q.kind));
+    }
+    if (rc != MPI_SUCCESS) throw_mpi_error(rc, call, __FILE__, __LINE__);
+    if (q.rop == ReduceOp::avg) divide_by(q.dtype, q.out, n, size());  // all_reduce, reduce_scatter
+    return true;
+  }
+
   std::shared_ptr<Communicator> do_split(int color, int key, uint64_t seq) override {
     OpCall c = split_call(name(), rank(), color, key, seq);
     trace_->issued.store(seq);
@@ -346,10 +394,11 @@ class MpiCommunicator final : public Communicator {
   struct Progress {
     CommTrace& t;
     uint64_t seq;
-    Progress(CommTrace& tr, const OpDesc& d) : t(tr), seq(d.seq) {
-      t.started_kind.store(int(d.kind), std::memory_order_release);
-      t.started.store(d.seq, std::memory_order_release);
+    Progress(CommTrace& tr, OpKind kind, uint64_t s) : t(tr), seq(s) {
+      t.started_kind.store(int(kind), std::memory_order_release);
+      t.started.store(s, std::memory_order_release);
     }
+    Progress(CommTrace& tr, const OpDesc& d) : Progress(tr, d.kind, d.seq) {}
     ~Progress() { t.completed.store(seq, std::memory_order_release); }
   };
 
@@ -358,10 +407,7 @@ class MpiCommunicator final : public Communicator {
   // reach the caller as the Error a Work's wait() would throw.
   void run_inline(OpCall& c, bool dbg) {
     slot_->enter(c.desc, timeout());
-    struct Leave {
-      InlineSlot& s;
-      ~Leave() { s.leave(); }
-    } leave{*slot_};
+    InlineSlot::Occupied occupied{*slot_};
     try {
       if (c.desc.delay.count() > 0) std::this_thread::sleep_for(c.desc.delay);
       run(c, dbg, /*polite=*/false);
@@ -529,13 +575,13 @@ class MpiCommunicator final : public Communicator {
     // A synchronous batch of up to 8 sends and receives: posted and waited for on the caller's
     // thread with no WorkState or watchdog entry (the p2p inline slot keeps it watched), unless
     // another thread is using the slot.
-    bool expected_free = false;
-    if (!c.async && c.p2p.size() <= kInlineP2P && p2p_busy_.compare_exchange_strong(expected_free, true)) {
-      struct Release {
-        std::atomic<bool>& busy;
-        ~Release() { busy.store(false, std::memory_order_release); }
-      } release{p2p_busy_};
-      run_p2p_inline(c);
+    if (!c.async && c.p2p.size() <= kInlineP2P && claim_p2p_slot()) {
+      P2PClaim claim{p2p_busy_};
+      p2p_slot_->enter(c.desc, timeout());
+      InlineSlot::Occupied occupied{*p2p_slot_};
+      post_and_wait(
+          c.p2p.size(), [&](size_t i) { return P2PView{c.p2p[i].is_send, &c.p2p[i].tensor, c.p2p[i].peer, c.p2p[i].tag}; },
+          [&]() -> const OpDesc& { return c.desc; });
       return nullptr;
     }
     c.own();  // the work holds the buffers until its requests complete
@@ -559,35 +605,101 @@ class MpiCommunicator final : public Communicator {
 
   static constexpr size_t kInlineP2P = 8;
 
-  void run_p2p_inline(OpCall& c) {
-    p2p_slot_->enter(c.desc, timeout());
-    struct Leave {
-      InlineSlot& s;
-      ~Leave() { s.leave(); }
-    } leave{*p2p_slot_};
-    const size_t n = c.p2p.size();
+  // The quick form of the inline batch above (see Communicator::run_quick).
+  bool run_quick_p2p(const QuickOp& q) {
+    if (q.p2p_count > kInlineP2P || !claim_p2p_slot()) return false;
+    P2PClaim claim{p2p_busy_};
+    p2p_slot_->enter(q, timeout());
+    InlineSlot::Occupied occupied{*p2p_slot_};
+    post_and_wait(
+        q.p2p_count,
+        [&](size_t i) {
+          const P2POp& op = q.p2p[i];
+          return P2PView{op.kind == P2POp::Kind::send, &op.tensor, op.peer, op.tag};
+        },
+        [&] { return quick_desc(q); });
+    return true;
+  }
+
+  // The description of a quick point-to-point op, to word its errors.
+  OpDesc quick_desc(const QuickOp& q) const {
+    OpDesc d;
+    d.kind = q.kind;
+    d.seq = q.seq;
+    d.comm = CommName(name());
+    d.rank = rank();
+    d.has_tensor = q.shape != nullptr;
+    d.dtype = q.dtype;
+    if (q.shape) d.shape = *q.shape;
+    d.root = q.root;
+    d.tag = q.tag;
+    return d;
+  }
+
+  bool claim_p2p_slot() {
+    bool expected_free = false;
+    return p2p_busy_.compare_exchange_strong(expected_free, true);
+  }
+  struct P2PClaim {
+    std::atomic<bool>& busy;
+    ~P2PClaim() { busy.store(false, std::memory_order_release); }
+  };
+
+  // One send or receive of an inline batch.
+  struct P2PView {
+    bool is_send;
+    const Tensor* tensor;
+    int peer, tag;
+  };
+
+  // Posts up to kInlineP2P sends and receives (item(i) -> P2PView) on the caller's thread and
+  // waits for them; desc_of() gives the op's OpDesc, called only to word an error.
+  template <class Item, class DescOf>
+  void post_and_wait(size_t n, Item&& item, DescOf&& desc_of) {
     MPI_Request reqs[kInlineP2P];
     MPI_Status st[kInlineP2P];
     MPI_Datatype types[kInlineP2P];
-    int expected[kInlineP2P], peers[kInlineP2P];
+    int expected[kInlineP2P], peers[kInlineP2P], tags[kInlineP2P];
     int counts[kInlineP2P];
+    bool sends[kInlineP2P];
+    void* data[kInlineP2P];
     for (size_t i = 0; i < n; ++i) {  // everything that can throw, before anything is posted
-      types[i] = mpi_type(c.p2p[i].tensor.dtype());
-      counts[i] = to_count(c.p2p[i].tensor.numel(), c.desc);
-      expected[i] = c.p2p[i].is_send ? -1 : counts[i];
-      peers[i] = c.p2p[i].peer;
+      const P2PView v = item(i);
+      const int64_t numel = v.tensor->numel();
+      types[i] = mpi_type(v.tensor->dtype());
+      counts[i] = numel <= INT_MAX ? int(numel) : to_count(numel, desc_of());
+      expected[i] = v.is_send ? -1 : counts[i];
+      peers[i] = v.peer;
+      tags[i] = v.tag;
+      sends[i] = v.is_send;
+      data[i] = v.tensor->data_ptr();
     }
-    for (size_t i = 0; i < n; ++i) {
-      P2PItem& it = c.p2p[i];
-      const int rc = it.is_send ? MPI_Isend(it.tensor.data_ptr(), counts[i], types[i], it.peer, it.tag, comm_, &reqs[i])
-                                : MPI_Irecv(it.tensor.data_ptr(), counts[i], types[i], it.peer, it.tag, comm_, &reqs[i]);
-      if (rc != MPI_SUCCESS) {  // withdraw what was posted, then report it as the asynchronous path does
-        for (size_t j = 0; j < i; ++j) MPI_Cancel(&reqs[j]), MPI_Request_free(&reqs[j]);
-        throw_mpi_error(rc, it.is_send ? "MPI_Isend" : "MPI_Irecv", __FILE__, __LINE__);
+    int rc = MPI_SUCCESS;
+    if (n <= 2 && (n == 1 || sends[0] != sends[1])) {
+      // One send, one receive, or one of each (an exchange): MPI's blocking call for exactly
+      // that, without requests to create and wait for. (A single completion call does not set
+      // its status's MPI_ERROR: the return code carries the error.)
+      for (size_t i = 0; i < n; ++i) st[i].MPI_ERROR = MPI_SUCCESS;
+      const size_t s = sends[0] ? 0 : 1, r = 1 - s;  // for n == 2
+      if (n == 2)
+        rc = MPI_Sendrecv(data[s], counts[s], types[s], peers[s], tags[s], data[r], counts[r], types[r], peers[r],
+                          tags[r], comm_, &st[r]);
+      else if (sends[0])
+        rc = MPI_Send(data[0], counts[0], types[0], peers[0], tags[0], comm_);
+      else
+        rc = MPI_Recv(data[0], counts[0], types[0], peers[0], tags[0], comm_, &st[0]);
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        rc = sends[i] ? MPI_Isend(data[i], counts[i], types[i], peers[i], tags[i], comm_, &reqs[i])
+                      : MPI_Irecv(data[i], counts[i], types[i], peers[i], tags[i], comm_, &reqs[i]);
+        if (rc != MPI_SUCCESS) {  // withdraw what was posted, then report it as the asynchronous path does
+          for (size_t j = 0; j < i; ++j) MPI_Cancel(&reqs[j]), MPI_Request_free(&reqs[j]);
+          throw_mpi_error(rc, sends[i] ? "MPI_Isend" : "MPI_Irecv", __FILE__, __LINE__);
+        }
       }
+      rc = MPI_Waitall(int(n), reqs, st);
     }
-    const int rc = MPI_Waitall(int(n), reqs, st);
-    std::string failure = p2p_failure(c.desc, rc, st, n, expected, types, peers);
+    std::string failure = p2p_failure(desc_of, rc, st, n, expected, types, peers);
     if (!failure.empty()) throw Error(failure);
   }
 

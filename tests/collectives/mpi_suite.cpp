@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "collectives/launch.h"
+#include "collectives/observer.h"
 #include "engine/engine.h"
 #include "tests/collectives/suite.h"
 
@@ -64,6 +65,55 @@ int main(int argc, char** argv) {
         failures.push_back(detail::concat("[rank ", w.rank(), "] ", async ? "async" : "sync",
                                           " recv of 3 from a send of 2: expected an error containing '", want,
                                           "', got: ", got));
+    }
+  }
+
+  // A synchronous op on contiguous tensors that nothing records runs on the quick path (no call
+  // record); anything else on the general one. The two number ops alike and meet each other: here
+  // rank 0 reduces a contiguous tensor while the other ranks reduce a transposed view (through a
+  // contiguous copy), then an observed all_gather (general on every rank) carries the next number.
+  // The same for point-to-point: rank 0 exchanges with rank 1 in one batch (MPI's send-receive)
+  // while rank 1 receives into a strided view, then sends, as two single ops.
+  if (w.size() >= 2) {
+    const uint64_t before = w.last_seq();
+    const int n = w.size();
+    // The same shape everywhere, (3, 2): contiguous on rank 0, a transposed (2, 3) elsewhere.
+    Tensor t = w.rank() == 0 ? full({3, 2}, double(w.rank() + 1)) : full({2, 3}, double(w.rank() + 1)).transpose(0, 1);
+    w.all_reduce(t);
+    const std::vector<double> got = t.to_vector();
+    if (got != std::vector<double>(6, double(n * (n + 1) / 2)))
+      failures.push_back(detail::concat("[rank ", w.rank(), "] all_reduce of a ", w.rank() == 0 ? "contiguous" : "transposed",
+                                        " tensor gave ", got, ", expected ", n * (n + 1) / 2, " everywhere"));
+    uint64_t observed = 0;
+    Tensor gathered = zeros({n, 2});
+    {
+      ScopedCollectiveObserver obs([&](const CollectiveRecord& r) {
+        observed = r.seq;
+        return kNoDelay;
+      });
+      w.all_gather(gathered, full({2}, double(w.rank())));
+    }
+    std::vector<double> want;
+    for (int r = 0; r < n; ++r) want.insert(want.end(), {double(r), double(r)});
+    if (gathered.to_vector() != want || observed != before + 2 || w.last_seq() != before + 2)
+      failures.push_back(detail::concat("[rank ", w.rank(), "] after a quick or general all_reduce (#", before + 1,
+                                        "), the observed all_gather was #", observed, ", last_seq ", w.last_seq(),
+                                        " (expected #", before + 2, "), gathered ", gathered.to_vector()));
+    if (w.rank() < 2) {
+      const int peer = 1 - w.rank();
+      Tensor mine = full({4}, double(10 + w.rank())), theirs = zeros({4});
+      if (w.rank() == 0) {
+        w.batch_p2p({P2POp::send(mine, peer, 3), P2POp::recv(theirs, peer, 3)});
+      } else {
+        Tensor wide = zeros({4, 2});
+        Tensor column = wide.select(1, 1);  // stride 2: received through a staged copy
+        w.recv(column, peer, 3);
+        w.send(mine, peer, 3);
+        theirs = column.contiguous();
+      }
+      if (theirs.to_vector() != std::vector<double>(4, double(10 + peer)))
+        failures.push_back(detail::concat("[rank ", w.rank(), "] the exchange with rank ", peer, " received ",
+                                          theirs.to_vector(), ", expected ", 10 + peer, " everywhere"));
     }
   }
 
