@@ -584,31 +584,10 @@ bool Communicator::try_quick(detail::QuickOp& q, const Tensor& in, const Tensor&
   return false;
 }
 
-// Point-to-point ops are numbered apart and carry no signature; a single op's tensor is the one
-// the watchdog shows. (A count beyond an int is the backend's to refuse, as on the general path.)
-bool Communicator::try_quick_p2p(int kind, const P2POp* ops, size_t n) {
-  if (trace::enabled() || g_observers.load(std::memory_order_relaxed) != 0) return false;
-  for (const P2POp* op = ops; op != ops + n; ++op)
-    if (!usable_as_is(op->tensor)) return false;
-  const bool single = n == 1;
-  detail::QuickOp q{.kind = OpKind(kind),
-                    .dtype = ops[0].tensor.dtype(),
-                    .root = single ? ops[0].peer : int(n),
-                    .shape = single ? &ops[0].tensor.shape() : nullptr,
-                    .tag = single ? ops[0].tag : 0,
-                    .p2p = ops,
-                    .p2p_count = n};
-  q.seq = ++p2p_seq_;
-  if (run_quick(q)) return true;
-  --p2p_seq_;
-  return false;
-}
-
 Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
   QUILT_CHECK(t.defined(), "[all_reduce] got an undefined tensor");
   QUILT_CHECK(!(op == ReduceOp::avg && t.dtype() == DType::b8), "[all_reduce] avg is not defined for bool tensors");
-  if (detail::QuickOp q{.kind = OpKind::all_reduce, .dtype = t.dtype(), .rop = op, .count = t.numel()};
-      !async_op && try_quick(q, t, t, t))
+  if (detail::QuickOp q(OpKind::all_reduce, t.dtype(), t.numel(), op); !async_op && try_quick(q, t, t, t))
     return Work();
   OpCall c = begin(int(OpKind::all_reduce), t, true);
   c.desc.rop = op;
@@ -621,7 +600,7 @@ Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
 Work Communicator::broadcast(const Tensor& t, int root, bool async_op) {
   QUILT_CHECK(t.defined(), "[broadcast] got an undefined tensor");
   check_root(root, "broadcast", "root");
-  if (detail::QuickOp q{.kind = OpKind::broadcast, .dtype = t.dtype(), .root = root, .count = t.numel()};
+  if (detail::QuickOp q(OpKind::broadcast, t.dtype(), t.numel(), std::nullopt, root);
       !async_op && try_quick(q, t, t, t))
     return Work();
   OpCall c = begin(int(OpKind::broadcast), t, true);
@@ -652,8 +631,7 @@ Work Communicator::all_gather(const Tensor& out, const Tensor& in, bool async_op
               dtype_name(in.dtype()));
   QUILT_CHECK(out.numel() == int64_t(size()) * in.numel(), "[all_gather] output of shape ", out.shape(), " (",
               out.numel(), " elements) cannot hold ", size(), " inputs of shape ", in.shape(), " on ", *name_);
-  if (detail::QuickOp q{.kind = OpKind::all_gather, .dtype = in.dtype(), .count = in.numel()};
-      !async_op && try_quick(q, in, out, in))
+  if (detail::QuickOp q(OpKind::all_gather, in.dtype(), in.numel()); !async_op && try_quick(q, in, out, in))
     return Work();
   OpCall c = begin(int(OpKind::all_gather), in, true);
   std::vector<std::function<void()>> back;
@@ -694,8 +672,7 @@ Work Communicator::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp 
   QUILT_CHECK(in.numel() == int64_t(size()) * out.numel(), "[reduce_scatter] input of shape ", in.shape(), " (",
               in.numel(), " elements) is not ", size(), " outputs of shape ", out.shape(), " on ", *name_);
   QUILT_CHECK(!(op == ReduceOp::avg && in.dtype() == DType::b8), "[reduce_scatter] avg is not defined for bool tensors");
-  if (detail::QuickOp q{.kind = OpKind::reduce_scatter, .dtype = out.dtype(), .rop = op, .count = out.numel()};
-      !async_op && try_quick(q, in, out, out))
+  if (detail::QuickOp q(OpKind::reduce_scatter, out.dtype(), out.numel(), op); !async_op && try_quick(q, in, out, out))
     return Work();
   OpCall c = begin(int(OpKind::reduce_scatter), out, true);
   c.desc.rop = op;
@@ -765,9 +742,11 @@ Work Communicator::all_to_all_single(const Tensor& out, const Tensor& in, const 
   const bool even = out_splits.empty() && in_splits.empty();
   const int64_t even_out = even ? even_block(out, "output") : 0;
   const int64_t even_in = even ? even_block(in, "input") : 0;
-  if (detail::QuickOp q{.kind = OpKind::all_to_all, .dtype = in.dtype(), .count = even_in, .recv_count = even_out};
-      even && !async_op && try_quick(q, in, out, in))
-    return Work();
+  if (even && !async_op) {
+    detail::QuickOp q(OpKind::all_to_all, in.dtype(), even_in);
+    q.recv_count = even_out;
+    if (try_quick(q, in, out, in)) return Work();
+  }
   std::vector<int64_t> oc = even ? std::vector<int64_t>() : counts_of(out_splits, out, "output");
   std::vector<int64_t> ic = even ? std::vector<int64_t>() : counts_of(in_splits, in, "input");
   OpCall c = begin(int(OpKind::all_to_all), in, true);
@@ -811,17 +790,37 @@ Work Communicator::batch_p2p(std::initializer_list<P2POp> ops, bool async_op) {
 }
 
 Work Communicator::batch_p2p(const P2POp* ops, size_t n, bool async_op) {
-  for (const P2POp* op = ops; op != ops + n; ++op) {
-    const char* name = op->kind == P2POp::Kind::send ? "send" : "recv";
-    QUILT_CHECK(op->tensor.defined(), "[", name, "] got an undefined tensor");
-    if (op->peer < 0 || op->peer >= size_) check_root(op->peer, name, "peer");
-    QUILT_CHECK(op->tag >= 0 && op->tag < (1 << 20), "[", name, "] tag ", op->tag, " is outside [0, 2^20)");
+  // The quick path (see run_quick) takes a synchronous batch of up to kInlineP2P transfers on
+  // tensors usable as they are, with nothing recording it; their buffers are resolved while the
+  // ops are checked. Point-to-point ops are numbered apart and carry no signature.
+  bool quick = !async_op && n <= detail::kInlineP2P && !trace::enabled() &&
+               g_observers.load(std::memory_order_relaxed) == 0;
+  detail::P2PBuffer bufs[detail::kInlineP2P];
+  for (size_t i = 0; i < n; ++i) {
+    const P2POp& op = ops[i];
+    const bool is_send = op.kind == P2POp::Kind::send;
+    const char* name = is_send ? "send" : "recv";
+    QUILT_CHECK(op.tensor.defined(), "[", name, "] got an undefined tensor");
+    if (op.peer < 0 || op.peer >= size_) check_root(op.peer, name, "peer");
+    QUILT_CHECK(op.tag >= 0 && op.tag < (1 << 20), "[", name, "] tag ", op.tag, " is outside [0, 2^20)");
+    quick = quick && usable_as_is(op.tensor);
+    if (quick) bufs[i] = detail::p2p_buffer(op.tensor, is_send, op.peer, op.tag);
   }
   if (n == 0) return Work();
   const bool single = n == 1;
   const bool is_send = ops[0].kind == P2POp::Kind::send;
   OpKind kind = single ? (is_send ? OpKind::send : OpKind::recv) : OpKind::batch_p2p;
-  if (!async_op && try_quick_p2p(int(kind), ops, n)) return Work();
+  if (quick) {
+    // A single op's tensor is the one the watchdog shows.
+    detail::QuickOp q(kind, ops[0].tensor.dtype(), 0, std::nullopt, single ? ops[0].peer : int(n));
+    q.seq = ++p2p_seq_;
+    q.shape = single ? &ops[0].tensor.shape() : nullptr;
+    q.tag = single ? ops[0].tag : 0;
+    q.p2p = bufs;
+    q.p2p_count = n;
+    if (run_quick(q)) return Work();
+    --p2p_seq_;
+  }
   static const Tensor kNone;
   OpCall c = begin(int(kind), single ? ops[0].tensor : kNone, false);
   c.desc.root = single ? ops[0].peer : int(n);

@@ -213,8 +213,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Runs a validated synchronous collective through run_quick where it applies (in and out may
   // be the same tensor); true when it ran. Fills q's seq, pointers and shape.
   bool try_quick(detail::QuickOp& q, const Tensor& in, const Tensor& out, const Tensor& subject);
-  // The same for a synchronous send, recv or batch_p2p of `kind`.
-  bool try_quick_p2p(int kind, const P2POp* ops, size_t n);
   Work batch_p2p(const P2POp* ops, size_t n, bool async_op);
 
   std::string backend_;

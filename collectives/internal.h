@@ -269,6 +269,22 @@ struct CommTrace {
   std::atomic<int> started_kind{-1};  // OpKind of `started`
 };
 
+/// One send or receive of a synchronous batch as a host backend posts it: contiguous data in its
+/// memory, resolved once (the quick path's and the inline batch's form).
+struct P2PBuffer {  // no member initializers: a call's array of them is not zero-filled first
+  void* data;
+  int64_t count;  // elements
+  DType dtype;
+  int peer, tag;
+  bool is_send;
+};
+/// The buffers of `t` (contiguous, in the backend's memory) sent to or received from `peer`.
+inline P2PBuffer p2p_buffer(const Tensor& t, bool is_send, int peer, int tag) {
+  return {t.data_ptr(), t.numel(), t.dtype(), peer, tag, is_send};
+}
+/// The most transfers a synchronous batch posts on its caller's thread (more go as a Work).
+inline constexpr size_t kInlineP2P = 8;
+
 /// A synchronous collective that nothing records (no trace, observer or signature check) on
 /// contiguous tensors in the backend's memory, described without a call record for
 /// Communicator::run_quick. Counts are what the backend's call takes and fit an int: the tensor's
@@ -277,17 +293,21 @@ struct CommTrace {
 /// synchronous send, recv or batch_p2p carries its ops instead (root: the peer of a single op,
 /// else the number of ops; shape: a single op's tensor's).
 struct QuickOp {
-  OpKind kind = OpKind::barrier;
+  // (A constructor, not an aggregate: GCC clears an aggregate's omitted members with `rep stos`,
+  // slow to start on AMD cores, before storing the given ones.)
+  QuickOp(OpKind k, DType dt, int64_t n = 0, std::optional<ReduceOp> op = std::nullopt, int rt = -1)
+      : kind(k), dtype(dt), rop(op), root(rt), count(n) {}
+  OpKind kind;
   uint64_t seq = 0;
-  DType dtype = DType::f32;
+  DType dtype;
   std::optional<ReduceOp> rop;
-  int root = -1;
+  int root;
   const Shape* shape = nullptr;  // the op's main tensor's, as OpDesc::shape
   const void* in = nullptr;      // == out for in-place ops
   void* out = nullptr;
-  int64_t count = 0, recv_count = 0;
-  int tag = 0;                    // send, recv
-  const P2POp* p2p = nullptr;     // send, recv, batch_p2p: the ops, p2p_count of them
+  int64_t count, recv_count = 0;
+  int tag = 0;                      // send, recv
+  const P2PBuffer* p2p = nullptr;   // send, recv, batch_p2p: the transfers, p2p_count of them
   size_t p2p_count = 0;
 };
 

@@ -579,9 +579,10 @@ class MpiCommunicator final : public Communicator {
       P2PClaim claim{p2p_busy_};
       p2p_slot_->enter(c.desc, timeout());
       InlineSlot::Occupied occupied{*p2p_slot_};
-      post_and_wait(
-          c.p2p.size(), [&](size_t i) { return P2PView{c.p2p[i].is_send, &c.p2p[i].tensor, c.p2p[i].peer, c.p2p[i].tag}; },
-          [&]() -> const OpDesc& { return c.desc; });
+      P2PBuffer bufs[kInlineP2P];
+      for (size_t i = 0; i < c.p2p.size(); ++i)
+        bufs[i] = p2p_buffer(c.p2p[i].tensor, c.p2p[i].is_send, c.p2p[i].peer, c.p2p[i].tag);
+      post_and_wait(bufs, c.p2p.size(), [&]() -> const OpDesc& { return c.desc; });
       return nullptr;
     }
     c.own();  // the work holds the buffers until its requests complete
@@ -603,21 +604,13 @@ class MpiCommunicator final : public Communicator {
     return w;
   }
 
-  static constexpr size_t kInlineP2P = 8;
-
   // The quick form of the inline batch above (see Communicator::run_quick).
   bool run_quick_p2p(const QuickOp& q) {
     if (q.p2p_count > kInlineP2P || !claim_p2p_slot()) return false;
     P2PClaim claim{p2p_busy_};
     p2p_slot_->enter(q, timeout());
     InlineSlot::Occupied occupied{*p2p_slot_};
-    post_and_wait(
-        q.p2p_count,
-        [&](size_t i) {
-          const P2POp& op = q.p2p[i];
-          return P2PView{op.kind == P2POp::Kind::send, &op.tensor, op.peer, op.tag};
-        },
-        [&] { return quick_desc(q); });
+    post_and_wait(q.p2p, q.p2p_count, [&] { return quick_desc(q); });
     return true;
   }
 
@@ -645,56 +638,41 @@ class MpiCommunicator final : public Communicator {
     ~P2PClaim() { busy.store(false, std::memory_order_release); }
   };
 
-  // One send or receive of an inline batch.
-  struct P2PView {
-    bool is_send;
-    const Tensor* tensor;
-    int peer, tag;
-  };
-
-  // Posts up to kInlineP2P sends and receives (item(i) -> P2PView) on the caller's thread and
-  // waits for them; desc_of() gives the op's OpDesc, called only to word an error.
-  template <class Item, class DescOf>
-  void post_and_wait(size_t n, Item&& item, DescOf&& desc_of) {
+  // Posts up to kInlineP2P sends and receives on the caller's thread and waits for them;
+  // desc_of() gives the op's OpDesc, called only to word an error.
+  template <class DescOf>
+  void post_and_wait(const P2PBuffer* b, size_t n, DescOf&& desc_of) {
     MPI_Request reqs[kInlineP2P];
     MPI_Status st[kInlineP2P];
     MPI_Datatype types[kInlineP2P];
-    int expected[kInlineP2P], peers[kInlineP2P], tags[kInlineP2P];
-    int counts[kInlineP2P];
-    bool sends[kInlineP2P];
-    void* data[kInlineP2P];
+    int expected[kInlineP2P], peers[kInlineP2P], counts[kInlineP2P];
     for (size_t i = 0; i < n; ++i) {  // everything that can throw, before anything is posted
-      const P2PView v = item(i);
-      const int64_t numel = v.tensor->numel();
-      types[i] = mpi_type(v.tensor->dtype());
-      counts[i] = numel <= INT_MAX ? int(numel) : to_count(numel, desc_of());
-      expected[i] = v.is_send ? -1 : counts[i];
-      peers[i] = v.peer;
-      tags[i] = v.tag;
-      sends[i] = v.is_send;
-      data[i] = v.tensor->data_ptr();
+      types[i] = mpi_type(b[i].dtype);
+      counts[i] = b[i].count <= INT_MAX ? int(b[i].count) : to_count(b[i].count, desc_of());
+      expected[i] = b[i].is_send ? -1 : counts[i];
+      peers[i] = b[i].peer;
     }
     int rc = MPI_SUCCESS;
-    if (n <= 2 && (n == 1 || sends[0] != sends[1])) {
+    if (n <= 2 && (n == 1 || b[0].is_send != b[1].is_send)) {
       // One send, one receive, or one of each (an exchange): MPI's blocking call for exactly
       // that, without requests to create and wait for. (A single completion call does not set
       // its status's MPI_ERROR: the return code carries the error.)
       for (size_t i = 0; i < n; ++i) st[i].MPI_ERROR = MPI_SUCCESS;
-      const size_t s = sends[0] ? 0 : 1, r = 1 - s;  // for n == 2
+      const size_t s = b[0].is_send ? 0 : 1, r = 1 - s;  // for n == 2
       if (n == 2)
-        rc = MPI_Sendrecv(data[s], counts[s], types[s], peers[s], tags[s], data[r], counts[r], types[r], peers[r],
-                          tags[r], comm_, &st[r]);
-      else if (sends[0])
-        rc = MPI_Send(data[0], counts[0], types[0], peers[0], tags[0], comm_);
+        rc = MPI_Sendrecv(b[s].data, counts[s], types[s], b[s].peer, b[s].tag, b[r].data, counts[r], types[r],
+                          b[r].peer, b[r].tag, comm_, &st[r]);
+      else if (b[0].is_send)
+        rc = MPI_Send(b[0].data, counts[0], types[0], b[0].peer, b[0].tag, comm_);
       else
-        rc = MPI_Recv(data[0], counts[0], types[0], peers[0], tags[0], comm_, &st[0]);
+        rc = MPI_Recv(b[0].data, counts[0], types[0], b[0].peer, b[0].tag, comm_, &st[0]);
     } else {
       for (size_t i = 0; i < n; ++i) {
-        rc = sends[i] ? MPI_Isend(data[i], counts[i], types[i], peers[i], tags[i], comm_, &reqs[i])
-                      : MPI_Irecv(data[i], counts[i], types[i], peers[i], tags[i], comm_, &reqs[i]);
+        rc = b[i].is_send ? MPI_Isend(b[i].data, counts[i], types[i], b[i].peer, b[i].tag, comm_, &reqs[i])
+                          : MPI_Irecv(b[i].data, counts[i], types[i], b[i].peer, b[i].tag, comm_, &reqs[i]);
         if (rc != MPI_SUCCESS) {  // withdraw what was posted, then report it as the asynchronous path does
           for (size_t j = 0; j < i; ++j) MPI_Cancel(&reqs[j]), MPI_Request_free(&reqs[j]);
-          throw_mpi_error(rc, sends[i] ? "MPI_Isend" : "MPI_Irecv", __FILE__, __LINE__);
+          throw_mpi_error(rc, b[i].is_send ? "MPI_Isend" : "MPI_Irecv", __FILE__, __LINE__);
         }
       }
       rc = MPI_Waitall(int(n), reqs, st);

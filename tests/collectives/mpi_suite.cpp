@@ -82,8 +82,9 @@ int main(int argc, char** argv) {
     w.all_reduce(t);
     const std::vector<double> got = t.to_vector();
     if (got != std::vector<double>(6, double(n * (n + 1) / 2)))
-      failures.push_back(detail::concat("[rank ", w.rank(), "] all_reduce of a ", w.rank() == 0 ? "contiguous" : "transposed",
-                                        " tensor gave ", got, ", expected ", n * (n + 1) / 2, " everywhere"));
+      failures.push_back(detail::concat("[rank ", w.rank(), "] all_reduce of a ",
+                                        w.rank() == 0 ? "contiguous" : "transposed", " tensor gave ", got,
+                                        ", expected ", n * (n + 1) / 2, " everywhere"));
     uint64_t observed = 0;
     Tensor gathered = zeros({n, 2});
     {
