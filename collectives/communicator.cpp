@@ -587,7 +587,8 @@ bool Communicator::try_quick(detail::QuickOp& q, const Tensor& in, const Tensor&
 Work Communicator::all_reduce(const Tensor& t, ReduceOp op, bool async_op) {
   QUILT_CHECK(t.defined(), "[all_reduce] got an undefined tensor");
   QUILT_CHECK(!(op == ReduceOp::avg && t.dtype() == DType::b8), "[all_reduce] avg is not defined for bool tensors");
-  if (detail::QuickOp q(OpKind::all_reduce, t.dtype(), t.numel(), op); !async_op && try_quick(q, t, t, t))
+  if (detail::QuickOp q(OpKind::all_reduce, t.dtype(), t.numel(), op);
+      !async_op && try_quick(q, t, t, t))
     return Work();
   OpCall c = begin(int(OpKind::all_reduce), t, true);
   c.desc.rop = op;
@@ -672,7 +673,8 @@ Work Communicator::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp 
   QUILT_CHECK(in.numel() == int64_t(size()) * out.numel(), "[reduce_scatter] input of shape ", in.shape(), " (",
               in.numel(), " elements) is not ", size(), " outputs of shape ", out.shape(), " on ", *name_);
   QUILT_CHECK(!(op == ReduceOp::avg && in.dtype() == DType::b8), "[reduce_scatter] avg is not defined for bool tensors");
-  if (detail::QuickOp q(OpKind::reduce_scatter, out.dtype(), out.numel(), op); !async_op && try_quick(q, in, out, out))
+  if (detail::QuickOp q(OpKind::reduce_scatter, out.dtype(), out.numel(), op);
+      !async_op && try_quick(q, in, out, out))
     return Work();
   OpCall c = begin(int(OpKind::reduce_scatter), out, true);
   c.desc.rop = op;

@@ -184,10 +184,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// not (then OpCall::sig is always filled; otherwise only in debug mode).
   virtual bool checks_every_call() const { return false; }
 
-  /// A synchronous collective that nothing records (no trace, observer or signature check), on
-  /// tensors the backend can use as they are: the backend may run it at once from `q` (pointers,
-  /// counts and what the watchdog shows), with no call record, and return true; or return false,
-  /// having done nothing, and the op goes through start(). q.seq is the op's sequence number.
+  /// A synchronous op (a collective, or a batch of up to 8 sends and receives) that nothing
+  /// records (no trace, observer or signature check), on tensors the backend can use as they are:
+  /// the backend may run it at once from `q` (pointers, counts and what the watchdog shows), with
+  /// no call record, and return true; or return false, having done nothing, and the op goes
+  /// through start(). q.seq is the op's sequence number (point-to-point ops: their own counter).
   virtual bool run_quick(const detail::QuickOp& q) { return false; }
 
   /// The name a sub-communicator of this one gets.

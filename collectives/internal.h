@@ -290,8 +290,8 @@ inline constexpr size_t kInlineP2P = 8;
 /// Communicator::run_quick. Counts are what the backend's call takes and fit an int: the tensor's
 /// elements (all_reduce, broadcast), in's (all_gather), out's (reduce_scatter), or the block sent
 /// to and received from each rank (an all_to_all without splits: `count`, `recv_count`). A
-/// synchronous send, recv or batch_p2p carries its ops instead (root: the peer of a single op,
-/// else the number of ops; shape: a single op's tensor's).
+/// synchronous send, recv or batch_p2p carries its transfers instead (`p2p`; root: the peer of a
+/// single op, else the number of ops; shape: a single op's tensor's).
 struct QuickOp {
   // (A constructor, not an aggregate: GCC clears an aggregate's omitted members with `rep stos`,
   // slow to start on AMD cores, before storing the given ones.)
