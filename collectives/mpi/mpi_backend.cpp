@@ -337,37 +337,45 @@ class MpiCommunicator final : public Communicator {
     slot_->enter(q, timeout());
     InlineSlot::Occupied occupied{*slot_};
     Progress p(*trace_, q.kind, q.seq);
-    const MPI_Datatype type = mpi_type(q.dtype);
     const int n = int(q.count);
+    call_blocking(q.kind, q.in, q.out, n, int(q.recv_count), q.dtype, q.rop, q.root);
+    if (q.rop == ReduceOp::avg) divide_by(q.dtype, q.out, n, size());  // all_reduce, reduce_scatter
+    return true;
+  }
+
+  // The blocking MPI call of an op that takes one count per rank (all_reduce, broadcast,
+  // all_gather, reduce_scatter, all_to_all without splits): the one form both the general
+  // synchronous path and the quick path issue. Throws naming the call when MPI fails.
+  void call_blocking(OpKind kind, const void* in, void* out, int n, int recv_n, DType dt, std::optional<ReduceOp> rop,
+                     int root) {
+    const MPI_Datatype type = mpi_type(dt);
     int rc = MPI_SUCCESS;
     const char* call = "";
-    switch (q.kind) {
+    switch (kind) {
       case OpKind::all_reduce:
         call = "MPI_Allreduce";
-        rc = MPI_Allreduce(MPI_IN_PLACE, q.out, n, type, mpi_op(q.dtype, *q.rop), comm_);
+        rc = MPI_Allreduce(MPI_IN_PLACE, out, n, type, mpi_op(dt, *rop), comm_);
         break;
       case OpKind::broadcast:
         call = "MPI_Bcast";
-        rc = MPI_Bcast(q.out, n, type, q.root, comm_);
+        rc = MPI_Bcast(out, n, type, root, comm_);
         break;
       case OpKind::all_gather:
         call = "MPI_Allgather";
-        rc = MPI_Allgather(q.in, n, type, q.out, n, type, comm_);
+        rc = MPI_Allgather(in, n, type, out, n, type, comm_);
         break;
       case OpKind::reduce_scatter:
         call = "MPI_Reduce_scatter_block";
-        rc = MPI_Reduce_scatter_block(q.in, q.out, n, type, mpi_op(q.dtype, *q.rop), comm_);
+        rc = MPI_Reduce_scatter_block(in, out, n, type, mpi_op(dt, *rop), comm_);
         break;
       case OpKind::all_to_all:
         call = "MPI_Alltoall";
-        rc = MPI_Alltoall(q.in, n, type, q.out, int(q.recv_count), type, comm_);
+        rc = MPI_Alltoall(in, n, type, out, recv_n, type, comm_);
         break;
       default:
-        fail("[mpi] unexpected quick op ", op_kind_name(q.kind));
+        fail("[mpi] ", op_kind_name(kind), " has no one-count blocking form");
     }
     if (rc != MPI_SUCCESS) throw_mpi_error(rc, call, __FILE__, __LINE__);
-    if (q.rop == ReduceOp::avg) divide_by(q.dtype, q.out, n, size());  // all_reduce, reduce_scatter
-    return true;
   }
 
   std::shared_ptr<Communicator> do_split(int color, int key, uint64_t seq) override {
@@ -471,13 +479,13 @@ class MpiCommunicator final : public Communicator {
       case OpKind::all_reduce: {
         const int n = to_count(c.out.numel(), d);
         if (r) QUILT_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, out, n, type, mpi_op(dt, *d.rop), comm_, r));
-        else QUILT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, out, n, type, mpi_op(dt, *d.rop), comm_));
+        else call_blocking(d.kind, in, out, n, n, dt, d.rop, d.root);
         break;
       }
       case OpKind::broadcast: {
         const int n = to_count(c.out.numel(), d);
         if (r) QUILT_CHECK_MPI(MPI_Ibcast(out, n, type, d.root, comm_, r));
-        else QUILT_CHECK_MPI(MPI_Bcast(out, n, type, d.root, comm_));
+        else call_blocking(d.kind, in, out, n, n, dt, d.rop, d.root);
         break;
       }
       case OpKind::reduce:
@@ -494,7 +502,7 @@ class MpiCommunicator final : public Communicator {
       case OpKind::all_gather: {
         const int n = to_count(c.in.numel(), d);
         if (r) QUILT_CHECK_MPI(MPI_Iallgather(in, n, type, out, n, type, comm_, r));
-        else QUILT_CHECK_MPI(MPI_Allgather(in, n, type, out, n, type, comm_));
+        else call_blocking(d.kind, in, out, n, n, dt, d.rop, d.root);
         break;
       }
       case OpKind::all_gather_v: {
@@ -512,7 +520,7 @@ class MpiCommunicator final : public Communicator {
       case OpKind::reduce_scatter: {
         const int n = to_count(c.out.numel(), d);
         if (r) QUILT_CHECK_MPI(MPI_Ireduce_scatter_block(in, out, n, type, mpi_op(dt, *d.rop), comm_, r));
-        else QUILT_CHECK_MPI(MPI_Reduce_scatter_block(in, out, n, type, mpi_op(dt, *d.rop), comm_));
+        else call_blocking(d.kind, in, out, n, n, dt, d.rop, d.root);
         break;
       }
       case OpKind::reduce_scatter_v: {
@@ -535,7 +543,7 @@ class MpiCommunicator final : public Communicator {
         if (c.even_splits) {
           const int ns = to_count(c.even_in, d), nr = to_count(c.even_out, d);
           if (r) QUILT_CHECK_MPI(MPI_Ialltoall(in, ns, type, out, nr, type, comm_, r));
-          else QUILT_CHECK_MPI(MPI_Alltoall(in, ns, type, out, nr, type, comm_));
+          else call_blocking(d.kind, in, out, ns, nr, dt, d.rop, d.root);
           break;
         }
         const size_t n = c.in_counts.size();
