@@ -51,36 +51,41 @@ QUILT_VEC_INLINE double mul_add(double a, double b, double c) {
 #endif
 }
 
-/// exp(x) in f32 within ~1.3 ulp: x = n·ln2 + r with |r| <= ln2/2 (Cody-Waite, ln2 split so
-/// n·ln2_hi is exact), exp(r) by Cephes' degree-7 polynomial, 2^n built in the exponent field in
-/// two halves so n = -126..128 never overflows it. Below -87.34 the result is 0 (where f32
-/// turns denormal), above 88.72 it is inf, NaN stays NaN.
+/// exp's constants, shared by the scalar form and the AVX2 lanes (exp8) so both give the same bits.
+namespace exp_detail {
+// Inputs are clamped to [kLo, kHi]: kLo is below -127·ln2 and kHi above 128·ln2, so the clamped
+// ends make 2^n 0 (n = -127) or inf (n = 128) without a mask.
+inline constexpr float kLo = -88.0f, kHi = 88.8f;
+inline constexpr float kShift = 12582912.0f;  // 1.5·2^23: t = z + kShift holds round(z) in its low bits
+inline constexpr float kLog2e = 1.44269504088896341f;
+inline constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln2 = hi + lo, n·hi exact
+// (exp(r) - 1) / r on [0, ln2] to 4e-9 relative (a Remez fit), highest degree first.
+inline constexpr float kQ[6] = {0x1.02e39cp-9f, 0x1.fba0bap-8f, 0x1.5799bep-5f,
+                                0x1.55341ap-3f, 0x1.0000d2p-1f, 0x1.fffffap-1f};
+}  // namespace exp_detail
+
+/// exp(x) in f32 within 1.6 ulp: x = n·ln2 + r with n = floor(x / ln2) and r in [0, ln2]
+/// (Cody-Waite, ln2 split so n·ln2_hi is exact), exp(r) = 1 + r·q(r) with q of degree 5, then one
+/// multiply by 2^n built in the exponent field. Below -87.34 (-126·ln2, where f32 turns denormal)
+/// the result is 0, from 88.7228 (ln FLT_MAX) it is inf, NaN stays NaN: with n = floor, the clamp
+/// alone gives both ends (2^-127 is built as 0, 2^128 as inf), so no mask is needed. Twenty
+/// instructions in a vector loop; exp8 below is the same on AVX2 registers.
 QUILT_VEC_INLINE float exp(float x) {
-  constexpr float kLo = -87.33654f, kHi = 88.72283f;
+  using namespace exp_detail;
   float xc = x > kHi ? kHi : x;  // NaN compares false: passes through
   xc = xc < kLo ? kLo : xc;
-  // n = round(x / ln2) by the 1.5·2^23 shifter: the low bits of t hold n as an integer.
-  constexpr float kShift = 12582912.0f;
-  const float t = mul_add(xc, 1.44269504088896341f, kShift);
+  // n = floor(x / ln2) as round(x / ln2 - 1/2) by the shifter (z - 1 at an integer z, which
+  // leaves r = ln2, still in q's range).
+  const float t = mul_add(xc, kLog2e, -0.5f) + kShift;
   const float n = t - kShift;
-  const int32_t ni = int32_t(std::bit_cast<uint32_t>(t) - std::bit_cast<uint32_t>(kShift));
-  float r = mul_add(n, -0.693359375f, xc);
-  r = mul_add(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = mul_add(p, r, 1.3981999507e-3f);
-  p = mul_add(p, r, 8.3334519073e-3f);
-  p = mul_add(p, r, 4.1665795894e-2f);
-  p = mul_add(p, r, 1.6666665459e-1f);
-  p = mul_add(p, r, 5.0000001201e-1f);
-  const float y = mul_add(p, r * r, r + 1.0f);
-  const int32_t n1 = ni >> 1, n2 = ni - n1;  // each in [-63, 64]
-  const float s1 = std::bit_cast<float>(uint32_t(n1 + 127) << 23);
-  const float s2 = std::bit_cast<float>(uint32_t(n2 + 127) << 23);
-  // Out-of-range lanes by masks, not selects: a select lets the compiler put the polynomial
-  // under a branch, and a loop with a branch is not vectorised.
-  const uint32_t under = 0u - uint32_t(x < kLo), over = 0u - uint32_t(x > kHi);
-  const uint32_t e = std::bit_cast<uint32_t>(y * s1 * s2);
-  return std::bit_cast<float>((e & ~under & ~over) | (0x7f800000u & over));
+  float r = mul_add(n, -kLn2Hi, xc);
+  r = mul_add(n, -kLn2Lo, r);
+  float q = kQ[0];
+  for (int k = 1; k < 6; ++k) q = mul_add(q, r, kQ[k]);
+  const float y = mul_add(q, r, 1.0f);
+  // 2^n: n + 127 in the exponent field; n = -127 gives the bits of 0, n = 128 those of inf.
+  const uint32_t e = (std::bit_cast<uint32_t>(t) - (std::bit_cast<uint32_t>(kShift) - 127u)) << 23;
+  return y * std::bit_cast<float>(e);
 }
 
 /// 1 / (1 + exp(-x)), the logistic sigmoid, within a few ulp; 0 below -87.34 and 1 above
@@ -276,28 +281,49 @@ QUILT_VEC_INLINE float hmax(const F32x16& v) {
   return m;
 }
 
-/// exp of sixteen lanes by Eigen's packet exp (Cephes' polynomial with its terms split for
-/// instruction-level parallelism), on one AVX-512 register or two AVX ones; within 5 ulp from
-/// -87.3 to 88.3 (it loses ~0.05 ulp per unit of |x|: the accuracy Eigen's array exp, which the
-/// kernels used before, always had). In a loop summing exp over an L1-resident row it ran 1.15x a
-/// version of our own on `vrndscaleps`/`vscalefps` (1.3 ulp) and 2x the scalar exp above
-/// vectorised, on an AVX-512 EPYC (family 26). The low end is made the scalar exp's: 0 below
-/// -87.34 (where f32 turns denormal; Eigen's gives ~3e-39 down to -inf); at the top, inf from
-/// 88.38 up with AVX-512 (Eigen's 2^n overflows at n = 128), from 88.72 with AVX (Eigen's generic
-/// float exp clamps there, as the scalar exp does); NaN kept. (The ulp figures above are the
-/// AVX-512 form's; the AVX form splits ln 2 in two and loses less.)
-/// kFastExp16 tells the exp-bound kernels whether to take their exps in lanes (see nn.cpp). On an
-/// AVX2 EPYC (family 25) the two-half lanes ran the bf16 SwiGLU 1.13-1.32x, the f32 cross-entropy
-/// forward at 16384 x 4096 1.24x and the rest 0.9-1.2x their Eigen array forms (three
-/// alternating runs each), so AVX takes them as AVX-512 does.
+/// exp of sixteen lanes. With AVX-512, Eigen's packet exp (Cephes' polynomial with its terms
+/// split for instruction-level parallelism) on one register: within 5 ulp from -87.3 to 88.3 (it
+/// loses ~0.05 ulp per unit of |x|); in a loop summing exp over an L1-resident row it ran 1.15x a
+/// version of our own on `vrndscaleps`/`vscalefps` (1.3 ulp) and 2x the earlier scalar exp
+/// vectorised, on an AVX-512 EPYC (family 26). Its low end is made the scalar exp's (0 below
+/// -87.34; Eigen's gives ~3e-39 down to -inf); at the top it gives inf from 88.38 (its 2^n
+/// overflows at n = 128). With AVX2 and FMA, the scalar exp itself on two 8-lane halves (exp8:
+/// the same bits, ends included). With AVX alone, Eigen's AVX packet exp, 0 below -87.34.
+/// kFastExp16 tells the exp-bound kernels whether to take their exps in lanes (see nn.cpp); off
+/// AVX they keep Eigen's array form. kExp16IsScalar: exp16 gives the scalar exp's bits.
 #if defined(EIGEN_VECTORIZE_AVX512)
-inline constexpr bool kFastExp16 = true;
+inline constexpr bool kFastExp16 = true, kExp16IsScalar = false;
 QUILT_VEC_INLINE F32x16 exp16(const F32x16& x) {
   const F32x16 y = std::bit_cast<F32x16>(Eigen::internal::pexp(std::bit_cast<__m512>(x)));
   return x < -87.33654f ? splat16(0.0f) : y;  // (NaN compares false: Eigen's NaN stays)
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline constexpr bool kFastExp16 = true, kExp16IsScalar = true;
+/// The scalar exp above on eight lanes, the same bits: its clamp, shifter and exponent-field 2^n
+/// in twenty instructions. In a loop summing exp over an L1-resident row it ran 1.95x Eigen's AVX
+/// packet exp (0.45 against 0.88 ns per element, one thread, AVX2 EPYC family 25), which spends
+/// its extra instructions on a generic ldexp and a mask for the low end.
+QUILT_VEC_INLINE F32x8 exp8(const F32x8& x) {
+  using namespace exp_detail;
+  const auto c = [](float v) { return _mm256_set1_ps(v); };
+  // min/max return their second operand where either is NaN: a NaN x passes through.
+  const __m256 xc = _mm256_max_ps(c(kLo), _mm256_min_ps(c(kHi), std::bit_cast<__m256>(x)));
+  const __m256 t = _mm256_add_ps(_mm256_fmadd_ps(xc, c(kLog2e), c(-0.5f)), c(kShift));
+  const __m256 n = _mm256_sub_ps(t, c(kShift));
+  __m256 r = _mm256_fmadd_ps(n, c(-kLn2Hi), xc);
+  r = _mm256_fmadd_ps(n, c(-kLn2Lo), r);
+  __m256 q = c(kQ[0]);
+  for (int k = 1; k < 6; ++k) q = _mm256_fmadd_ps(q, r, c(kQ[k]));
+  const __m256 y = _mm256_fmadd_ps(q, r, c(1.0f));
+  const __m256i bias = _mm256_set1_epi32(int32_t(std::bit_cast<uint32_t>(kShift) - 127u));
+  const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), bias), 23);
+  return std::bit_cast<F32x8>(_mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+QUILT_VEC_INLINE F32x16 exp16(const F32x16& x) { return {exp8(x.lo), exp8(x.hi)}; }
 #elif defined(EIGEN_VECTORIZE_AVX)
 inline constexpr bool kFastExp16 = true;
+/// AVX without AVX2 (no 256-bit integer ops): Eigen's packet exp, 0 below -87.34 as the scalar's.
+inline constexpr bool kExp16IsScalar = false;
 QUILT_VEC_INLINE F32x8 exp8(const F32x8& x) {
   const F32x8 y = std::bit_cast<F32x8>(Eigen::internal::pexp(std::bit_cast<__m256>(x)));
   return x < -87.33654f ? F32x8{} : y;
@@ -306,7 +332,7 @@ QUILT_VEC_INLINE F32x16 exp16(const F32x16& x) { return {exp8(x.lo), exp8(x.hi)}
 #else
 /// Without AVX the scalar exp lane by lane: the same values, not the same speed, and kFastExp16
 /// tells the kernels to keep their Eigen array form.
-inline constexpr bool kFastExp16 = false;
+inline constexpr bool kFastExp16 = false, kExp16IsScalar = true;
 QUILT_VEC_INLINE F32x16 exp16(const F32x16& x) {
   float in[16], out[16];
   store16(in, x);
