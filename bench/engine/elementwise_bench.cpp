@@ -76,16 +76,23 @@ static void BM_silu(benchmark::State& state) {
 }
 BENCHMARK(BM_silu)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-// bf16 has no Eigen form: the per-element formula runs with a conversion on each side.
-static void BM_gelu_bf16(benchmark::State& state) {
+// bf16 has no Eigen form: a contiguous run is widened to f32 a block at a time, the f32 form run
+// on it and the result rounded back.
+template <Tensor (*op)(const Tensor&)>
+static void BM_unary_bf16(benchmark::State& state) {
   Tensor a = randn({kN}, RngKey(0, "a")).to(DType::bf16);
   for (auto _ : state) {
-    Tensor c = gelu(a);
+    Tensor c = op(a);
     benchmark::DoNotOptimize(c.data_ptr());
   }
   bench::set_bandwidth(state, 2.0 * kN * 2);
 }
-BENCHMARK(BM_gelu_bf16)->Unit(benchmark::kMillisecond)->UseRealTime();
+static Tensor gelu_of(const Tensor& x) { return gelu(x); }
+static Tensor exp_of(const Tensor& x) { return exp(x); }
+static Tensor silu_of(const Tensor& x) { return silu(x); }
+BENCHMARK(BM_unary_bf16<gelu_of>)->Name("BM_gelu_bf16")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_unary_bf16<exp_of>)->Name("BM_exp_bf16")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_unary_bf16<silu_of>)->Name("BM_silu_bf16")->Unit(benchmark::kMillisecond)->UseRealTime();
 
 static void BM_maximum(benchmark::State& state) {
   Tensor a = randn({kN}, RngKey(0, "a")), b = randn({kN}, RngKey(0, "b"));

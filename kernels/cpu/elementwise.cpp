@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec_math.h"
 #include "kernels/elementwise_math.h"
 #include "kernels/philox.h"
 
@@ -44,6 +45,41 @@ bool unary_eigen(T* out, const T* in, int64_t n) {
   return false;
 }
 
+// bf16 and f16 have no Eigen form: for the ops with a library call per element (exp, log, roots,
+// tanh, sigmoid, silu, gelu, sin, cos), a contiguous run is widened to f32 a block at a time, the
+// f32 form run on the block and the result rounded back (bf16 by the lanes' rounding), instead of
+// the per-element formula with a conversion on each side (0.2-1.2 GB/s for exp, sigmoid, silu,
+// tanh, gelu in bf16 against 19-28 in f32, on an AVX2 EPYC). The rest (neg, abs, relu, ...) the
+// compiler vectorises as written, faster than a widened block.
+template <UnaryOp op>
+constexpr bool kWidenUnary = op == UnaryOp::exp || op == UnaryOp::log || op == UnaryOp::sqrt || op == UnaryOp::rsqrt ||
+                             op == UnaryOp::tanh || op == UnaryOp::sigmoid || op == UnaryOp::silu ||
+                             op == UnaryOp::gelu || op == UnaryOp::sin || op == UnaryOp::cos;
+
+template <UnaryOp op, class T>
+bool unary_widened(T* out, const T* in, int64_t n) {
+  if constexpr (kWidenUnary<op> && (std::is_same_v<T, BFloat16> || std::is_same_v<T, Half>)) {
+    constexpr int64_t kBlock = 1024;  // two f32 blocks of 4 KiB, on the stack
+    alignas(64) float a[kBlock], b[kBlock];
+    for (int64_t off = 0; off < n; off += kBlock) {
+      const int64_t len = std::min(kBlock, n - off);
+      const T* x = in + off;
+      T* o = out + off;
+      int64_t i = 0;
+      if constexpr (std::is_same_v<T, BFloat16>)
+        for (; i + 16 <= len; i += 16) vec::store16(a + i, vec::load16(x + i));
+      for (; i < len; ++i) a[i] = vec::load(x[i]);
+      unary_eigen<op, float>(b, a, len);  // (every op of kWidenUnary has an f32 form)
+      i = 0;
+      if constexpr (std::is_same_v<T, BFloat16>)
+        for (; i + 16 <= len; i += 16) vec::store16(o + i, vec::load16(b + i));
+      for (; i < len; ++i) vec::store(o[i], b[i]);
+    }
+    return true;
+  }
+  return false;
+}
+
 template <UnaryOp op, class T>
 void unary_typed(const Loop<2>& l) {
   using C = compute_t<T>;
@@ -60,7 +96,7 @@ void unary_typed(const Loop<2>& l) {
       auto* o = reinterpret_cast<T*>(p[0]);
       auto* x = reinterpret_cast<const T*>(p[1]);
       if (s[0] == 1 && s[1] == 1) {
-        if (unary_eigen<op, T>(o, x, n)) return;
+        if (unary_eigen<op, T>(o, x, n) || unary_widened<op, T>(o, x, n)) return;
         for (int64_t i = 0; i < n; ++i) o[i] = T(UnaryMath<op>{}(C(x[i])));
       } else {
         for (int64_t i = 0; i < n; ++i) o[i * s[0]] = T(UnaryMath<op>{}(C(x[i * s[1]])));

@@ -80,8 +80,13 @@ QUILT_VEC_INLINE float exp(float x) {
   const float n = t - kShift;
   float r = mul_add(n, -kLn2Hi, xc);
   r = mul_add(n, -kLn2Lo, r);
-  float q = kQ[0];
-  for (int k = 1; k < 6; ++k) q = mul_add(q, r, kQ[k]);
+  // (Written out: a loop here would be control flow in the callers' loops, which GCC then does
+  // not vectorise.)
+  float q = mul_add(kQ[0], r, kQ[1]);
+  q = mul_add(q, r, kQ[2]);
+  q = mul_add(q, r, kQ[3]);
+  q = mul_add(q, r, kQ[4]);
+  q = mul_add(q, r, kQ[5]);
   const float y = mul_add(q, r, 1.0f);
   // 2^n: n + 127 in the exponent field; n = -127 gives the bits of 0, n = 128 those of inf.
   const uint32_t e = (std::bit_cast<uint32_t>(t) - (std::bit_cast<uint32_t>(kShift) - 127u)) << 23;
@@ -312,8 +317,11 @@ QUILT_VEC_INLINE F32x8 exp8(const F32x8& x) {
   const __m256 n = _mm256_sub_ps(t, c(kShift));
   __m256 r = _mm256_fmadd_ps(n, c(-kLn2Hi), xc);
   r = _mm256_fmadd_ps(n, c(-kLn2Lo), r);
-  __m256 q = c(kQ[0]);
-  for (int k = 1; k < 6; ++k) q = _mm256_fmadd_ps(q, r, c(kQ[k]));
+  __m256 q = _mm256_fmadd_ps(c(kQ[0]), r, c(kQ[1]));
+  q = _mm256_fmadd_ps(q, r, c(kQ[2]));
+  q = _mm256_fmadd_ps(q, r, c(kQ[3]));
+  q = _mm256_fmadd_ps(q, r, c(kQ[4]));
+  q = _mm256_fmadd_ps(q, r, c(kQ[5]));
   const __m256 y = _mm256_fmadd_ps(q, r, c(1.0f));
   const __m256i bias = _mm256_set1_epi32(int32_t(std::bit_cast<uint32_t>(kShift) - 127u));
   const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), bias), 23);

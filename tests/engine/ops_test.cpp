@@ -73,6 +73,38 @@ TEST_CASE("ops: every unary op matches its float64 reference, gradcheck and low 
   }
 }
 
+// A long contiguous run in bf16 or f16 goes through the f32 form a block at a time (1024 elements,
+// then sixteen-lane rounding and a tail): it must give the f32 op's answer rounded to the type, to
+// within one step of the type (the f32 forms of a contiguous f32 run and of a block may differ in
+// their last f32 bit, which can move a rounding by one step).
+TEST_CASE("ops: every unary op on long bf16 and f16 runs is the f32 op rounded, blocks and tails included") {
+  const int64_t n = 3001;  // two threads' chunks, several blocks, a tail of lanes and of elements
+  for (const auto& u : kUnary) {
+    const Tensor r = randn({n}, RngKey(7, u.name));
+    const Tensor x = u.gen == Gen::positive ? abs(r) * 2.0 + 0.1 : r * 3.0;
+    for (DType dt : {DType::bf16, DType::f16}) {
+      const int mant = dt == DType::bf16 ? 7 : 10, emin = dt == DType::bf16 ? -126 : -14;
+      const Tensor xl = x.to(dt);
+      const std::vector<double> got = u.op(xl).to_vector(), want = u.op(xl.to(DType::f32)).to(dt).to_vector();
+      REQUIRE(got.size() == size_t(n));
+      int64_t off = 0, first = -1;
+      for (int64_t i = 0; i < n; ++i) {
+        const double g = got[size_t(i)], w = want[size_t(i)];
+        if (std::isnan(w) ? std::isnan(g) : g == w) continue;
+        const double step = std::ldexp(1.0, std::max(w == 0 ? emin : std::ilogb(w), emin) - mant);
+        if (std::isnan(g) || std::abs(g - w) > step) {
+          ++off;
+          if (first < 0) first = i;
+        }
+      }
+      const std::string what = std::string(u.name) + " in " + dtype_name(dt);
+      CAPTURE(what);
+      CAPTURE(first);
+      CHECK(off == 0);
+    }
+  }
+}
+
 TEST_CASE("ops: every binary op broadcasts like NumPy and passes the harness") {
   for (const auto& b : kBinary) {
     for (const auto& [sa, sb] : kBroadcastShapes) {
