@@ -149,8 +149,12 @@ TEST_CASE("vec_math: exp16 gives 0 at -inf and below -87.34, inf above 88.73, ke
 
 // Where the lanes are the scalar exp on registers (AVX2 + FMA, or no AVX at all), a row's tail
 // taken element by element matches its lanes bit for bit; elsewhere (Eigen's packet exp) the two
-// agree only within the ulp bounds above.
+// agree only within the ulp bounds above, and this case is skipped.
 TEST_CASE("vec_math: exp16 gives the scalar exp's bits where kExp16IsScalar") {
+  if (!vec::kExp16IsScalar) {
+    MESSAGE("skipped: exp16 is Eigen's packet exp on this target (AVX-512, or AVX without AVX2)");
+    return;
+  }
   std::vector<float> x;
   for (int64_t i = 0; i < (1 << 18); ++i) x.push_back(-100.0f + 200.0f * float(i) / float(1 << 18));
   for (float v : {-87.33654f, -87.3365f, 88.7228f, 88.72284f, -88.0f, 88.8f, 0.0f, -0.0f}) x.push_back(v);
@@ -162,9 +166,7 @@ TEST_CASE("vec_math: exp16 gives the scalar exp's bits where kExp16IsScalar") {
     const float want = vec::exp(x[i]);
     same += std::isnan(want) ? int64_t(std::isnan(y[i])) : int64_t(std::bit_cast<uint32_t>(y[i]) == std::bit_cast<uint32_t>(want));
   }
-  CAPTURE(vec::kExp16IsScalar);
-  if (vec::kExp16IsScalar) CHECK(same == int64_t(x.size()));
-  else CHECK(same > int64_t(x.size()) / 4);  // (most lanes still agree to the bit)
+  CHECK(same == int64_t(x.size()));
 }
 
 TEST_CASE("vec_math: max16 and hmax find the largest lane") {
