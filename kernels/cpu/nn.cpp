@@ -144,23 +144,6 @@ void softmax_bwd(T* gin, const T* gout, const T* y, int64_t rows, int64_t cols, 
 template <class T>
 constexpr bool kLanes16 = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
 
-// Σ f(i) over [0, n): add16(i, acc) adds lanes i..i+15 into acc, f1(i) gives element i. (The
-// lanes go by reference: a lambda returning sixteen lanes draws GCC's ABI note off AVX-512.)
-template <class F16, class F1>
-inline float row_sum16(int64_t n, F16&& add16, F1&& f1) {
-  vec::F32x16 a0{}, a1{}, a2{}, a3{};
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    add16(i, a0);
-    add16(i + 16, a1);
-    add16(i + 32, a2);
-    add16(i + 48, a3);
-  }
-  for (; i + 16 <= n; i += 16) add16(i, a0);
-  float s = vec::hsum((a0 + a1) + (a2 + a3));
-  for (; i < n; ++i) s += f1(i);
-  return s;
-}
 
 // ---- cross entropy ----
 
@@ -182,7 +165,7 @@ constexpr bool kExpLanesBf16 = vec::kFastExp16 && std::is_same_v<T, BFloat16>;
 template <class T>
 constexpr bool kExpLanesOwn = vec::kExp16IsScalar ? kExpLanes<T> : kExpLanesBf16<T>;
 
-// log Σ exp(x_i) of a row: its max in four lane accumulators, then Σ exp(x - max) by row_sum16
+// log Σ exp(x_i) of a row: its max in four lane accumulators, then Σ exp(x - max) by vec::sum16
 // from cache. `next` (the following row, or null) is prefetched during the exp pass, so its trip
 // from memory overlaps this row's exps instead of stalling the next max pass.
 template <class T>
@@ -202,7 +185,7 @@ float row_logsumexp16(const T* x, int64_t n, const T* next = nullptr) {
   }
   for (int64_t i = n / 16 * 16; i < n; ++i) m = std::max(m, vec::load(x[i]));
   const vec::F32x16 m16 = vec::splat16(m);
-  const float s = row_sum16(
+  const float s = vec::sum16(
       n,
       [&](int64_t i, vec::F32x16& acc) {
         if (next) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
@@ -350,7 +333,7 @@ void rms_fwd16(T* y, float* rstd, const T* x, const T* res, T* h, const T* w, in
         for (; i < n; ++i) vec::store(hr[i], vec::load(xr[i]) + vec::load(rr[i]));
         xr = hr;
       }
-      const float ss = row_sum16(
+      const float ss = vec::sum16(
           n, [&](int64_t i, vec::F32x16& a) { const vec::F32x16 v = load16(xr + i); a += v * v; },
           [&](int64_t i) { const float v = vec::load(xr[i]); return v * v; });
       const float rs = 1.0f / std::sqrt(ss / float(n) + float(eps));
@@ -437,7 +420,7 @@ void rms_bwd16(T* gx, T* gw, const T* g, const T* gh, const T* x, const T* w, co
         // AVX-512 EPYC: 1.14-1.15x; in bf16 the same read 0.91-0.98x, so bf16 goes without).
         const bool more = std::is_same_v<T, float> && r + 1 < rows;
         const float rs = rstd[r];
-        const float dot = row_sum16(
+        const float dot = vec::sum16(
             n, [&](int64_t i, F32x16& a) { a += load16(gr + i) * load16(wp + i) * load16(xr + i); },
             [&](int64_t i) { return vec::load(gr[i]) * wp[i] * vec::load(xr[i]); });
         const float k = rs * rs * rs * dot / float(n);

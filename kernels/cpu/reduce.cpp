@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec_math.h"
 #include "kernels/elementwise_math.h"
 
 namespace quilt::kernels::cpu {
@@ -36,6 +37,20 @@ A reduce_run(const T* x, int64_t n) {
     else if constexpr (op == ReduceOp::sum_squares) return v.square().sum();
     else if constexpr (op == ReduceOp::max) return v.hasNaN() ? std::numeric_limits<A>::quiet_NaN() : v.maxCoeff();
     else return v.hasNaN() ? std::numeric_limits<A>::quiet_NaN() : v.minCoeff();
+  } else if constexpr (std::is_same_v<T, BFloat16> && (op == ReduceOp::sum || op == ReduceOp::sum_squares)) {
+    // bf16 sums in sixteen lanes widened in place, four accumulators (one accumulator ran at the
+    // add's latency: 4-7x the f32 sum's time for half the bytes).
+    return vec::sum16(
+        n,
+        [&](int64_t i, vec::F32x16& acc) {
+          const vec::F32x16 v = vec::load16(x + i);
+          if constexpr (op == ReduceOp::sum) acc += v;
+          else acc += v * v;
+        },
+        [&](int64_t i) {
+          const float v = vec::load(x[i]);
+          return op == ReduceOp::sum ? v : v * v;
+        });
   } else {
     A acc = reduce_identity<op, A>();
     for (int64_t i = 0; i < n; ++i) acc = combine<op, A>(acc, A(static_cast<compute_t<T>>(x[i])));

@@ -278,6 +278,25 @@ QUILT_VEC_INLINE float hsum(const F32x16& v) {
   for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
+/// Σ f(i) over [0, n) in four independent accumulators: add16(i, acc) adds lanes i..i+15 into acc,
+/// f1(i) gives element i. 64-element steps into the four, then 16-element steps into the first,
+/// then the scalar tail, so the order is a function of n alone. (The lanes go by reference: a
+/// lambda returning sixteen lanes draws GCC's ABI note off AVX-512.)
+template <class F16, class F1>
+QUILT_VEC_INLINE float sum16(int64_t n, F16&& add16, F1&& f1) {
+  F32x16 a0{}, a1{}, a2{}, a3{};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    add16(i, a0);
+    add16(i + 16, a1);
+    add16(i + 32, a2);
+    add16(i + 48, a3);
+  }
+  for (; i + 16 <= n; i += 16) add16(i, a0);
+  float s = hsum((a0 + a1) + (a2 + a3));
+  for (; i < n; ++i) s += f1(i);
+  return s;
+}
 /// The lanes' maximum. With NaN lanes the result is one of the lanes, unspecified which (a row's
 /// exp(x - max) sum that follows still carries the NaN).
 QUILT_VEC_INLINE float hmax(const F32x16& v) {

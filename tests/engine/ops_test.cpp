@@ -154,6 +154,29 @@ TEST_CASE("ops: comparisons, where and masked_fill") {
                .ref = [](const R& r) { return R{zip(r[0], r[1], [](double a, double m) { return m != 0 ? -3.0 : a; })}; }});
 }
 
+// bf16 runs are summed in sixteen lanes with four accumulators and a tail: rows of 1,000 (lanes,
+// 16-steps and a tail of 8) and one run of 200,003 (the fixed chunks of a long reduction). The
+// results are bf16, so they are checked to within two of its rounding steps.
+TEST_CASE("ops: bf16 sums and sums of squares over long rows and runs match the f64 sum of the same values") {
+  for (const Shape& s : {Shape{5, 1000}, Shape{200003}}) {
+    const Tensor x = randn(s, RngKey(11, "bf16 sums")).to(DType::bf16);
+    const std::vector<double> v = x.to_vector();
+    const int64_t cols = s.back(), rows = int64_t(v.size()) / cols;
+    const std::vector<double> got = sum(x, {int64_t(s.size()) - 1}).to_vector();
+    REQUIRE(got.size() == size_t(rows));
+    double want_sq = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      double want = 0;
+      for (int64_t c = 0; c < cols; ++c) want += v[size_t(r * cols + c)];
+      CAPTURE(r);
+      CHECK(std::abs(got[size_t(r)] - want) <= std::abs(want) / 256 + 1e-4 * std::sqrt(double(cols)));
+    }
+    for (double a : v) want_sq += a * a;
+    const double got_sq = sum_squares(x).to_vector()[0];
+    CHECK(std::abs(got_sq - want_sq) <= want_sq / 256);
+  }
+}
+
 TEST_CASE("ops: sum, mean, max and min over dims, all dims and keepdim") {
   const std::vector<std::pair<Shape, Shape>> cases = {
       {{17}, {}}, {{4, 6}, {1}}, {{4, 6}, {0}}, {{3, 4, 5}, {0, 2}}, {{3, 4, 5}, {-1}}, {{2, 3, 4}, {}}, {{0, 3}, {0}}, {{}, {}}};
