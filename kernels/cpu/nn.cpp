@@ -94,7 +94,34 @@ void with_index_type(DType dt, I&& f) {
   else f(int64_t{});
 }
 
+// bf16 rows (and f32 ones where measured faster) go sixteen lanes at a time (vec::F32x16): T loaded
+// and stored in place, no scratch row, and the row's sums in four independent accumulators. A sum is
+// taken over 64-element steps into the four, then 16-element steps into the first, then the
+// scalar tail, so its order is a function of the row length alone.
+template <class T>
+constexpr bool kLanes16 = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
+
+// Where the CPU has AVX or AVX-512 (vec::kFastExp16), the exp-bound kernels (SwiGLU, cross
+// entropy) can take the exp in sixteen lanes (vec::exp16), T read and written in place. In
+// alternating runs against Eigen's array form (docs/PERF.md) that won on AVX-512 for every bf16
+// kernel (no widened copy of the rows and no narrowing pass) and, in f32, for the SwiGLU backward
+// and the cross-entropy forward (which prefetches the next row); there the f32 SwiGLU forward
+// and cross-entropy backward measured within the noise or below and stay on Eigen, as does
+// everything without AVX, f64, f16. On AVX2 the lanes' exp is our own (vec::exp8, 1.9x Eigen's
+// packet exp), and every f32 and bf16 kernel takes it, softmax included.
+template <class T>
+constexpr bool kExpLanes = vec::kFastExp16 && kLanes16<T>;
+template <class T>
+constexpr bool kExpLanesBf16 = vec::kFastExp16 && std::is_same_v<T, BFloat16>;
+// The SwiGLU forward and cross-entropy backward, on Eigen's form in f32 on AVX-512, take the lanes
+// in f32 too where they are our own exp (AVX2). (Softmax takes them only there, kExp16IsScalar.)
+template <class T>
+constexpr bool kExpLanesOwn = vec::kExp16IsScalar ? kExpLanes<T> : kExpLanesBf16<T>;
+
 // ---- softmax ----
+
+template <class T>
+void softmax_row16(T* o, const T* x, int64_t n, bool log, float* e);
 
 template <class T>
 void softmax_fwd(T* out, const T* in, int64_t rows, int64_t cols, bool log) {
@@ -103,6 +130,14 @@ void softmax_fwd(T* out, const T* in, int64_t rows, int64_t cols, bool log) {
   parallel_range(rows, row_grain(cols), [&](int64_t b, int64_t e) {
     S s(cols);
     for (int64_t r = b; r < e; ++r) {
+      if constexpr (vec::kExp16IsScalar && kExpLanes<T>) {
+        T* orow = out + r * cols;
+        float* ex;
+        if constexpr (std::is_same_v<T, float>) ex = orow;
+        else ex = s.b.data();
+        softmax_row16(orow, in + r * cols, cols, log, ex);
+        continue;
+      }
       CArr<C> x(S::load(in + r * cols, cols, s.a), cols);
       T* orow = out + r * cols;
       Arr<C> o(S::target(orow, s.b), cols);
@@ -137,39 +172,13 @@ void softmax_bwd(T* gin, const T* gout, const T* y, int64_t rows, int64_t cols, 
   });
 }
 
-// bf16 rows (and f32 ones where measured faster) go sixteen lanes at a time (vec::F32x16): T loaded
-// and stored in place, no scratch row, and the row's sums in four independent accumulators. A sum is
-// taken over 64-element steps into the four, then 16-element steps into the first, then the
-// scalar tail, so its order is a function of the row length alone.
-template <class T>
-constexpr bool kLanes16 = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
-
-
 // ---- cross entropy ----
 
-// Where the CPU has AVX or AVX-512 (vec::kFastExp16), the exp-bound kernels (SwiGLU, cross
-// entropy) can take the exp in sixteen lanes (vec::exp16), T read and written in place. In
-// alternating runs against Eigen's array form (docs/PERF.md) that won on AVX-512 for every bf16
-// kernel (no widened copy of the rows and no narrowing pass) and, in f32, for the SwiGLU backward
-// and the cross-entropy forward (which prefetches the next row); on AVX2 for the bf16 SwiGLU
-// (1.13-1.32x) and the f32 cross-entropy forward at 16384 rows (1.24x), with the bf16 cross
-// entropy and the f32 SwiGLU backward within the noise (0.91-1.21x). The f32 SwiGLU forward and
-// cross-entropy backward measured within the noise or below and stay on Eigen, as does
-// everything without AVX, f64, f16.
-template <class T>
-constexpr bool kExpLanes = vec::kFastExp16 && kLanes16<T>;
-template <class T>
-constexpr bool kExpLanesBf16 = vec::kFastExp16 && std::is_same_v<T, BFloat16>;
-// The f32 SwiGLU forward and cross-entropy backward take the lanes where they are our own exp
-// (AVX2: 1.9x Eigen's packet exp there), else only in bf16.
-template <class T>
-constexpr bool kExpLanesOwn = vec::kExp16IsScalar ? kExpLanes<T> : kExpLanesBf16<T>;
-
-// log Σ exp(x_i) of a row: its max in four lane accumulators, then Σ exp(x - max) by vec::sum16
-// from cache. `next` (the following row, or null) is prefetched during the exp pass, so its trip
+// log Σ exp(x_i) of a row: its max in four lane accumulators (row_max16), then Σ exp(x - max) by
+// vec::sum16 from cache. `next` (the following row, or null) is prefetched during the exp pass, so its trip
 // from memory overlaps this row's exps instead of stalling the next max pass.
 template <class T>
-float row_logsumexp16(const T* x, int64_t n, const T* next = nullptr) {
+float row_max16(const T* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   if (n >= 16) {
     vec::F32x16 m0 = vec::load16(x), m1 = m0, m2 = m0, m3 = m0;
@@ -184,6 +193,12 @@ float row_logsumexp16(const T* x, int64_t n, const T* next = nullptr) {
     m = vec::hmax(vec::max16(vec::max16(m0, m1), vec::max16(m2, m3)));
   }
   for (int64_t i = n / 16 * 16; i < n; ++i) m = std::max(m, vec::load(x[i]));
+  return m;
+}
+
+template <class T>
+float row_logsumexp16(const T* x, int64_t n, const T* next = nullptr) {
+  const float m = row_max16(x, n);
   const vec::F32x16 m16 = vec::splat16(m);
   const float s = vec::sum16(
       n,
@@ -193,6 +208,35 @@ float row_logsumexp16(const T* x, int64_t n, const T* next = nullptr) {
       },
       [&](int64_t i) { return vec::exp(vec::load(x[i]) - m); });
   return m + std::log(s);
+}
+
+// A softmax or log-softmax row in lanes where the exp is our own (AVX2), T read and written in
+// place: log-softmax as x - logsumexp; softmax as exp(x - max) into `e` (the output row in f32,
+// else f32 scratch) with its sum in the same pass, then scaled by 1 / sum.
+template <class T>
+void softmax_row16(T* o, const T* x, int64_t n, bool log, float* e) {
+  int64_t i = 0;
+  if (log) {
+    const float l = row_logsumexp16(x, n);
+    const vec::F32x16 l16 = vec::splat16(l);
+    for (; i + 16 <= n; i += 16) vec::store16(o + i, vec::load16(x + i) - l16);
+    for (; i < n; ++i) vec::store(o[i], vec::load(x[i]) - l);
+    return;
+  }
+  const float m = row_max16(x, n);
+  const vec::F32x16 m16 = vec::splat16(m);
+  const float sum = vec::sum16(
+      n,
+      [&](int64_t k, vec::F32x16& acc) {
+        const vec::F32x16 v = vec::exp16(vec::load16(x + k) - m16);
+        vec::store16(e + k, v);
+        acc += v;
+      },
+      [&](int64_t k) { return e[k] = vec::exp(vec::load(x[k]) - m); });
+  const float inv = 1.0f / sum;
+  const vec::F32x16 inv16 = vec::splat16(inv);
+  for (; i + 16 <= n; i += 16) vec::store16(o + i, vec::load16(e + i) * inv16);
+  for (; i < n; ++i) vec::store(o[i], e[i] * inv);
 }
 
 template <class C>
