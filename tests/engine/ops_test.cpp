@@ -177,6 +177,42 @@ TEST_CASE("ops: bf16 sums and sums of squares over long rows and runs match the 
   }
 }
 
+// where on long contiguous runs takes each element's bits from a or b by a mask of the condition's
+// byte (a vectorised loop, then its scalar tail), in every dtype, with either side a broadcast
+// scalar (masked_fill), and on strided views.
+TEST_CASE("ops: where picks a's or b's element for every element of long runs, in every dtype") {
+  const int64_t n = 1003;
+  const Tensor cond = gt(randn({n}, RngKey(5, "where cond")), scalar_tensor(0.0));
+  const std::vector<double> cv = cond.to_vector();
+  std::vector<double> av(static_cast<size_t>(n)), bv(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    av[size_t(i)] = double(i % 97) - 40.0;
+    bv[size_t(i)] = 1000.0 + double(i % 89);
+  }
+  av[3] = -0.0;
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64, DType::i32, DType::i64}) {
+    const Tensor a = from_vector(av, {n}, {.dtype = dt}), b = from_vector(bv, {n}, {.dtype = dt});
+    const std::vector<double> ad = a.to_vector(), bd = b.to_vector();  // (as the dtype holds them)
+    const std::vector<double> got = where(cond, a, b).to_vector();
+    const std::vector<double> got_bcast = where(cond, a, scalar_like(7.0, a)).to_vector();
+    const std::vector<double> got_fill = masked_fill(b, cond, -3.0).to_vector();  // (a scalar a)
+    const std::vector<double> got_strided = where(cond.slice(0, 0, n, 2), a.slice(0, 0, n, 2), b.slice(0, 0, n, 2)).to_vector();
+    int64_t wrong = 0, wrong_bcast = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool c = cv[size_t(i)] != 0;
+      wrong += got[size_t(i)] != (c ? ad[size_t(i)] : bd[size_t(i)]);
+      wrong_bcast += got_bcast[size_t(i)] != (c ? ad[size_t(i)] : 7.0);
+      wrong_bcast += got_fill[size_t(i)] != (c ? -3.0 : bd[size_t(i)]);
+      if (i % 2 == 0) wrong_bcast += got_strided[size_t(i / 2)] != (c ? ad[size_t(i)] : bd[size_t(i)]);
+    }
+    const std::string name = dtype_name(dt);
+    CAPTURE(name);
+    CHECK(wrong == 0);
+    CHECK(wrong_bcast == 0);
+    if (dt == DType::f32 || dt == DType::f64) CHECK(std::signbit(where(ones({1}, {.dtype = DType::b8}), a.slice(0, 3, 4), b.slice(0, 3, 4)).to_vector()[0]));
+  }
+}
+
 TEST_CASE("ops: sum, mean, max and min over dims, all dims and keepdim") {
   const std::vector<std::pair<Shape, Shape>> cases = {
       {{17}, {}}, {{4, 6}, {1}}, {{4, 6}, {0}}, {{3, 4, 5}, {0, 2}}, {{3, 4, 5}, {-1}}, {{2, 3, 4}, {}}, {{0, 3}, {0}}, {{}, {}}};
