@@ -150,10 +150,14 @@ void argmax_typed(const ReduceLoop& l) {
   parallel_range(nout, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, nred)), [&](int64_t b, int64_t e) {
     for (int64_t o = b; o < e; ++o) {
       const T* base = in + offset_of(o, l.out_ndim, l.out_shape, l.in_out_strides);
+      // Over one dim (argmax's case) the element's offset is r times its stride, not a walk of the
+      // reduced shape per element (which cost an integer division each: 5.3 ms for 2048 rows of 2048).
+      const bool one_dim = l.red_ndim == 1;
+      const int64_t stride = one_dim ? l.red_strides[0] : 0;
       int64_t best = 0;
       C bv = nred ? C(base[0]) : C(0);
       for (int64_t r = 1; r < nred; ++r) {
-        const C v = C(base[offset_of(r, l.red_ndim, l.red_shape, l.red_strides)]);
+        const C v = C(base[one_dim ? r * stride : offset_of(r, l.red_ndim, l.red_shape, l.red_strides)]);
         if constexpr (std::is_floating_point_v<C>) {
           if (bv != bv) break;  // NaN is the maximum, first one wins
           if (v != v || v > bv) { bv = v; best = r; }
