@@ -5,7 +5,6 @@
 #include <unsupported/Eigen/SpecialFunctions>
 
 #include <cmath>
-#include <immintrin.h>
 #include <cstring>
 #include <type_traits>
 
